@@ -1,0 +1,27 @@
+"""megatron_ext: megatron-core pretraining with adaptive per-layer mixed precision."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_ext",
+    version="0.1.0",
+    description="megatron-core pretraining of GPT/Llama with adaptive per-layer mixed precision",
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        # torch is pinned so CPU machines take the CPU wheel instead of a multi-GB CUDA build.
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "numpy",
+        "psutil",
+        "tokenizers",
+        "safetensors",
+        "tensorboard",
+        "matplotlib",
+        "highspy",
+        "scipy",
+    ],
+    extras_require={
+        "dev": ["pytest", "hypothesis", "triton==3.9.0", "transformers"],
+        "mpi": ["mpi4py", "mpich"],
+    },
+)
