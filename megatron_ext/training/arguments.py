@@ -1,0 +1,218 @@
+"""Command-line flags (Megatron-LM names where the meaning is the same) and their validation.
+
+Features add flags through ``extra_args_provider(parser) -> parser`` (Megatron-LM's seam) and
+validate them in ``extra_validators``; everything else reads the parsed namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Callable, Iterable
+
+from megatron_ext.training.errors import UsageError
+from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (each overrides the --model preset)")
+    g.add_argument("--model", default="tiny", help=f"size preset: {', '.join(preset_names())}")
+    for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
+                 "num-query-groups", "seq-length", "max-position-embeddings", "vocab-size"):
+        g.add_argument(f"--{name}", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None)
+    g.add_argument("--rotary-base", type=float, default=None, help="RoPE theta")
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None)
+    g.add_argument("--norm-epsilon", type=float, default=None)
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--add-bias-linear", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--untie-embeddings-and-output-weights",
+                   action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this (independent of TP, so the "
+                        "layout never changes the model); TP must divide the padded size")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="enables the interleaved (virtual pipeline) 1F1B schedule")
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="optional check: must equal world_size / (TP*PP)")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="megatron-core TorchFullyShardedDataParallel (GPU only, see docs)")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="megatron-core Megatron-FSDP (GPU only, see docs)")
+    g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, default=400)
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size x data-parallel size (no accumulation)")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "WSD"],
+                   default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: length of the final decay (default: 20%% of --lr-decay-iters)")
+    g.add_argument("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential",
+                                                    "minus_sqrt"], default="linear")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="BF16 params/compute (default: on with CUDA, off (FP32) on CPU)")
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed dataset prefix(es), optionally weighted: 0.7 a 0.3 b "
+                        "(default: the embedded corpus, built on first use)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="tokenizer.json (HF tokenizers) or 'byte'; default: the corpus' BPE")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
+    g.add_argument("--data-cache-path", default=None, help="where dataset index caches go")
+
+
+def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("evaluation, logging and checkpoints")
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--run-dir", default=None, help="default: runs/<timestamp>")
+    g.add_argument("--save", default=None, help="checkpoint dir (default: <run-dir>/checkpoints)")
+    g.add_argument("--no-save", action="store_true", help="write no checkpoint at all")
+    g.add_argument("--load", default=None, help="resume from this checkpoint dir")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (a final checkpoint is always written)")
+
+
+def build_parser(family: str, extra_args_provider: ArgsProvider | None = None):
+    parser = argparse.ArgumentParser(
+        prog=f"pretrain_{family}.py",
+        description=f"Pretrain a {family} model with megatron-core (CPU/gloo or GPU/NCCL).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for add in (_model_flags, _parallel_flags, _training_flags, _data_flags,
+                _logging_and_checkpoint_flags):
+        add(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(family: str, argv: Iterable[str] | None = None,
+               extra_args_provider: ArgsProvider | None = None,
+               world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate; raises UsageError (one line) on bad input."""
+    args = build_parser(family, extra_args_provider).parse_args(argv)
+    args.family = family
+    try:
+        arch = get_preset(family, args.model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for field in ARCH_FIELDS:  # flag wins over preset
+        if getattr(args, field) is None:
+            setattr(args, field, getattr(arch, field))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    validate_args(args)
+    if args.run_dir is None:
+        args.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if args.save is None and not args.no_save:
+        args.save = os.path.join(args.run_dir, "checkpoints")
+    if args.no_save:
+        args.save = None
+    return args
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise UsageError(message)
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Every layout / range check, each with its own one-line message."""
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "num_query_groups", "seq_length", "train_iters", "micro_batch_size",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "log_interval", "eval_interval"):
+        _check(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive")
+    _check(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    _check(args.lr >= 0 and args.min_lr >= 0, "--lr and --min-lr must be >= 0")
+    _check(args.min_lr <= args.lr, "--min-lr must not exceed --lr")
+    _check(0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1,
+           "dropout must be in [0, 1)")
+    _check(0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1, "Adam betas must be in [0, 1)")
+    _check(args.clip_grad >= 0 and args.weight_decay >= 0, "--clip-grad and --weight-decay >= 0")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _check(args.world_size % (tp * pp) == 0,
+           f"world size {args.world_size} is not divisible by TP*PP = {tp * pp}")
+    args.data_parallel = args.world_size // (tp * pp)
+    if args.data_parallel_size is not None:
+        _check(args.data_parallel_size == args.data_parallel,
+               f"--data-parallel-size {args.data_parallel_size} != world size / (TP*PP) = "
+               f"{args.data_parallel}")
+    _check(args.num_attention_heads % tp == 0,
+           f"TP={tp} does not divide --num-attention-heads {args.num_attention_heads}")
+    _check(args.num_query_groups % tp == 0,
+           f"TP={tp} does not divide --num-query-groups {args.num_query_groups}")
+    _check(args.num_attention_heads % args.num_query_groups == 0,
+           "--num-query-groups must divide --num-attention-heads")
+    _check(args.hidden_size % args.num_attention_heads == 0,
+           "--num-attention-heads must divide --hidden-size")
+    _check(args.num_layers % pp == 0,
+           f"PP={pp} does not divide --num-layers {args.num_layers}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        vp_layers = args.num_layers_per_virtual_pipeline_stage
+        _check(pp > 1 and vp_layers > 0 and per_stage % vp_layers == 0,
+               "--num-layers-per-virtual-pipeline-stage needs PP > 1 and must divide "
+               f"the {per_stage} layers of each stage")
+        args.virtual_pipeline_model_parallel_size = per_stage // vp_layers
+    _check(not args.sequence_parallel or tp > 1, "--sequence-parallel needs TP > 1")
+    if args.position_embedding_type == "learned_absolute":
+        _check(args.seq_length <= args.max_position_embeddings,
+               f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+               f"{args.max_position_embeddings}")
+    per_step = args.micro_batch_size * args.data_parallel
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    _check(args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
+           f"--global-batch-size {args.global_batch_size} is not divisible by micro-batch-size"
+           f" x data-parallel = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _check(args.num_microbatches % pp == 0,
+               "the interleaved schedule needs the number of micro-batches to be a multiple "
+               "of PP")
+    _check(not (args.data_path and args.mock_data), "--data-path and --mock-data exclude each other")
+    _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
+           "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _check(args.lr_warmup_iters >= 0 and args.lr_warmup_iters < args.lr_decay_iters,
+           "--lr-warmup-iters must be in [0, --lr-decay-iters)")

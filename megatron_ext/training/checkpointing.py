@@ -1,0 +1,150 @@
+"""Checkpoints through megatron-core ``dist_checkpointing``: reshardable, crash-safe, extensible.
+
+Layout of ``--save DIR``::
+
+    DIR/iter_0000100/                  one dist_checkpointing checkpoint (any rank layout)
+    DIR/latest_checkpointed_iteration.txt
+
+A save goes to ``DIR/.tmp_iter_N`` and is renamed into place only when every rank has
+finished; the ``latest`` pointer is replaced atomically last, so a crash mid-save leaves the
+previous checkpoint and pointer untouched.
+
+What is saved: model and optimizer (sharded tensors: load at another TP / PP layout works),
+LR scheduler, iteration, consumed samples (the data position), the RNG states (restored only
+at the same layout), and whatever later features :meth:`Checkpointer.register`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_ext.training.errors import UsageError
+from megatron_ext.training.loop import TrainState
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class StateProvider(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _layout() -> dict:
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size()}
+
+
+def _rng_state() -> ShardedObject:
+    state = {"cpu": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), \
+        parallel_state.get_tensor_model_parallel_rank()
+    layout = _layout()
+    return ShardedObject("rng_state", state, (layout["pp"], layout["tp"]), (pp, tp),
+                         replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """``--load`` accepts a save root (uses its latest pointer) or one iteration directory."""
+    if not os.path.isdir(path):
+        raise UsageError(f"--load: checkpoint directory '{path}' does not exist")
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise UsageError(f"--load: corrupt {tracker} (expected an iteration number)")
+        path = os.path.join(path, f"iter_{int(text):07d}")
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise UsageError(f"--load: '{path}' is not a checkpoint (no {TRACKER} or metadata.json)")
+    return path
+
+
+class Checkpointer:
+    """Saves and restores the full training state of one rank's model chunks."""
+
+    def __init__(self, save_dir: str | None, model: list, optimizer, scheduler):
+        self.save_dir = save_dir
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.extra: dict[str, StateProvider] = {}
+
+    def register(self, name: str, provider: StateProvider) -> None:
+        """Checkpoint ``provider``'s (replicated, picklable) state under ``name``."""
+        self.extra[name] = provider
+
+    def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
+        model_sd = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
+        state = {"model": model_sd,
+                 "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        if with_rng:
+            state["rng_state"] = _rng_state()
+        return state
+
+    def save(self, train_state: TrainState) -> str:
+        final = os.path.join(self.save_dir, f"iter_{train_state.iteration:07d}")
+        tmp = os.path.join(self.save_dir, f".tmp_iter_{train_state.iteration:07d}")
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        state = self._sharded_state(is_loading=False, with_rng=True)
+        state.update(iteration=train_state.iteration,
+                     consumed_samples=train_state.consumed_samples,
+                     scheduler=self.scheduler.state_dict(), layout=_layout(),
+                     extra={name: p.state_dict() for name, p in self.extra.items()})
+        dist_checkpointing.save(state, tmp)
+        dist.barrier()
+        if rank0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            pointer = os.path.join(self.save_dir, TRACKER)
+            with open(pointer + ".tmp", "w", encoding="utf-8") as f:
+                f.write(f"{train_state.iteration}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(pointer + ".tmp", pointer)
+            print(f"saved checkpoint {final}", flush=True)
+        dist.barrier()
+        return final
+
+    def load(self, path: str) -> TrainState:
+        """Restore everything from ``path``; the RNG only if the rank layout is unchanged."""
+        path = resolve_checkpoint_dir(path)
+        try:
+            common = dist_checkpointing.load_common_state_dict(path)
+            same_layout = common.get("layout") == _layout()
+            loaded = dist_checkpointing.load(self._sharded_state(True, same_layout), path)
+        except UsageError:
+            raise
+        except Exception as exc:  # corrupt or incompatible files: one line, not a traceback
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"--load: cannot read checkpoint '{path}': {first}") from exc
+        for i, chunk in enumerate(self.model):
+            chunk.load_state_dict(loaded["model"][f"chunk{i}"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(common["scheduler"])
+        if same_layout:
+            _restore_rng(loaded["rng_state"])
+        for name, provider in self.extra.items():
+            if name in common.get("extra", {}):
+                provider.load_state_dict(common["extra"][name])
+        return TrainState(common["iteration"], common["consumed_samples"])

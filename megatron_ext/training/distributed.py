@@ -1,0 +1,139 @@
+"""One place that knows the launchers: torchrun, SLURM (srun), mpiexec, or a plain process.
+
+:func:`resolve_launch` reads rank / world size / master address from whichever launcher started
+us; :func:`initialize` brings up torch.distributed (gloo on CPU, NCCL on GPU, chosen
+automatically) and megatron-core's model-parallel groups.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as told by its launcher."""
+
+    launcher: str
+    """``torchrun``, ``slurm``, ``mpi`` or ``single``."""
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank on this node (selects the GPU)."""
+    master_addr: str
+    """Host of rank 0 (rendezvous)."""
+    master_port: int
+    """TCP port of the rendezvous on rank 0."""
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    match = re.match(r"([^\[,]+)(\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot parse SLURM nodelist '{nodelist}'")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _mpi_rank_and_size(env) -> tuple[int, int, int] | None:
+    for rank_key, size_key, local_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    ):
+        if rank_key in env and size_key in env:
+            return int(env[rank_key]), int(env[size_key]), int(env.get(local_key, 0))
+    return None
+
+
+def _mpi_master_addr(rank: int) -> str:
+    """Rank 0's hostname, broadcast through mpi4py (falls back to localhost without it)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return "127.0.0.1"
+    import socket
+    return MPI.COMM_WORLD.bcast(socket.gethostname() if rank == 0 else None, root=0)
+
+
+def resolve_launch(env=None) -> LaunchInfo:
+    """Read the launcher's environment; torchrun wins, then SLURM, then MPI, else one process."""
+    env = os.environ if env is None else env
+    port = int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchInfo("torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]),
+                          int(env.get("LOCAL_RANK", 0)), env.get("MASTER_ADDR", "127.0.0.1"), port)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST",
+                                                                   env.get("SLURM_NODELIST", "")))
+        return LaunchInfo("slurm", int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                          int(env.get("SLURM_LOCALID", 0)), addr, port)
+    mpi = _mpi_rank_and_size(env)
+    if mpi is not None:
+        rank, size, local = mpi
+        addr = env.get("MASTER_ADDR") or _mpi_master_addr(rank)
+        return LaunchInfo("mpi", rank, size, local, addr, port)
+    return LaunchInfo("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(info: LaunchInfo, backend: str = "auto", timeout_minutes: int = 30):
+    """torch.distributed over TCP rendezvous at rank 0; a no-op if already initialised."""
+    if dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = default_backend()
+    port = info.master_port
+    if info.world_size == 1 and "MASTER_PORT" not in os.environ:
+        port = _free_port()  # several single-process runs may share a machine
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{info.master_addr}:{port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timedelta(minutes=timeout_minutes),
+    )
+
+
+def initialize(args) -> LaunchInfo:
+    """Process group + megatron-core parallel state + seeded RNGs for this run's layout."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_ext.compat import cpu
+
+    cpu.activate()
+    info = resolve_launch()
+    init_process_group(info, args.distributed_backend)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+    )
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    return info

@@ -1,0 +1,141 @@
+"""The training loop: megatron-core's pipeline schedules drive forward/backward, the megatron
+optimizer steps, and every rank agrees on the logged loss."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_ext.data.sampler import MicroBatchIterator
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint must restore for an identical continuation."""
+
+    iteration: int = 0
+    """Optimizer steps taken."""
+    consumed_samples: int = 0
+    """Global training samples consumed (the data iterator's position)."""
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean next-token cross entropy over the unmasked tokens of one micro-batch."""
+    mask = loss_mask.reshape(-1).float()
+    loss = (output_tensor.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1)
+    # clone: the schedule divides the returned loss in place by the micro-batch count
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    batch = {k: v.to(_device(), non_blocking=True) if torch.is_tensor(v) else v
+             for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _iterators(args, dataset, consumed_samples: int, num_chunks: int):
+    """One iterator per model chunk (the interleaved schedule pulls from each separately)."""
+    its = [MicroBatchIterator(dataset, args.micro_batch_size,
+                              parallel_state.get_data_parallel_rank(),
+                              parallel_state.get_data_parallel_world_size(), consumed_samples)
+           for _ in range(num_chunks)]
+    return its if num_chunks > 1 else its[0]
+
+
+def run_schedule(args, model: list, data_iterator, forward_only: bool) -> float:
+    """Forward (+backward) of one global batch; returns the mean loss, identical on all ranks."""
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
+    total = torch.zeros(1, dtype=torch.float64, device=_device())
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        total += torch.stack([d["lm loss"].double() for d in losses]).mean()
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total /= parallel_state.get_data_parallel_world_size()
+    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total.item()
+
+
+def train_step(args, model, optimizer, scheduler, data_iterator) -> dict:
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = run_schedule(args, model, data_iterator, forward_only=False)
+    update_ok, grad_norm, _ = optimizer.step()
+    if update_ok:
+        scheduler.step(increment=1)
+    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "skipped": not update_ok}
+
+
+@torch.no_grad()
+def evaluate(args, model, valid_dataset) -> float:
+    """Mean loss over the first ``--eval-iters`` global batches of the validation split."""
+    for chunk in model:
+        chunk.eval()
+    iterator = _iterators(args, valid_dataset, 0, len(model))
+    loss = sum(run_schedule(args, model, iterator, forward_only=True)
+               for _ in range(args.eval_iters)) / args.eval_iters
+    for chunk in model:
+        chunk.train()
+    return loss
+
+
+def _memory_gib() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def train(args: argparse.Namespace, model, optimizer, scheduler, datasets, state: TrainState,
+          checkpointer, logger) -> TrainState:
+    """Train from ``state`` to ``--train-iters``; validate, log and checkpoint on schedule."""
+    train_ds, valid_ds = datasets
+    iterator = _iterators(args, train_ds, state.consumed_samples, len(model))
+    tokens_per_step = args.global_batch_size * args.seq_length
+    for chunk in model:
+        chunk.train()
+    while state.iteration < args.train_iters:
+        start = time.time()
+        result = train_step(args, model, optimizer, scheduler, iterator)
+        step_time = time.time() - start
+        state.iteration += 1
+        state.consumed_samples += args.global_batch_size
+        if not math.isfinite(result["loss"]):
+            raise FloatingPointError(f"loss is {result['loss']} at step {state.iteration}")
+        if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1):
+            logger.train_step({
+                "step": state.iteration, "loss": result["loss"],
+                "lr": optimizer.param_groups[0]["lr"], "grad_norm": result["grad_norm"],
+                "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                "consumed_samples": state.consumed_samples, **_memory_gib()})
+        last = state.iteration == args.train_iters
+        if args.eval_iters and (state.iteration % args.eval_interval == 0 or last):
+            val_loss = evaluate(args, model, valid_ds)
+            if logger:
+                logger.validation({"step": state.iteration, "val_loss": val_loss,
+                                   "val_ppl": math.exp(min(val_loss, 50.0))})
+        if checkpointer is not None and (last or (args.save_interval and
+                                                  state.iteration % args.save_interval == 0)):
+            checkpointer.save(state)
+    return state

@@ -1,0 +1,179 @@
+"""Build megatron-core ``GPTModel`` chunks (Llama or GPT flavour) from the parsed flags.
+
+The transformer block is given to ``GPTModel`` as a ``TransformerBlockSubmodules`` holding one
+layer ``ModuleSpec`` per local layer. That list is the seam the precision work uses: a layer's
+linear modules (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) come from the
+``linear_classes`` callback, so a quantized ``ColumnParallelLinear`` can be dropped in per layer
+without touching megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from megatron_ext.training.errors import UsageError
+
+SITES = ("qkv", "proj", "fc1", "fc2")
+"""The four linear GEMM sites of a transformer layer (megatron fuses Q/K/V and gate/up)."""
+
+LinearClasses = Callable[[int, str], type]
+"""(global layer index, site) -> the linear module class for that site."""
+
+
+def default_linear_classes(layer: int, site: str) -> type:
+    return ColumnParallelLinear if site in ("qkv", "fc1") else RowParallelLinear
+
+
+class TorchNorm:
+    """torch RMSNorm / LayerNorm whose params are marked for sequence parallelism.
+
+    megatron-core's local norm refuses sequence parallelism only because its weights would not
+    be all-reduced over the TP group; tagging them ``sequence_parallel`` makes
+    ``finalize_model_grads`` do exactly that.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """Pad to --make-vocab-size-divisible-by (not times TP: the layout must not change the model)."""
+    multiple = args.make_vocab_size_divisible_by
+    padded = -(-vocab_size // multiple) * multiple
+    tp = args.tensor_model_parallel_size
+    if padded % tp:
+        raise UsageError(f"TP={tp} does not divide the padded vocabulary size {padded}")
+    return padded
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bool(args.bf16),
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # gloo matches batched sends/recvs to one peer by order: with PP=2 (next == prev) the
+        # interleaved schedule would swap activations and gradients. Unbatched p2p keeps the
+        # two directions on separate communicators.
+        batch_p2p_comm=torch.cuda.is_available(),
+        perform_initialization=True,
+    )
+
+
+def layer_spec(layer: int, linear_classes: LinearClasses) -> ModuleSpec:
+    """One transformer layer (pre-norm attention + MLP) with the linears of global ``layer``."""
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=linear_classes(layer, "qkv"),
+            core_attention=DotProductAttention,
+            linear_proj=linear_classes(layer, "proj"),
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+        linear_fc1=linear_classes(layer, "fc1"), linear_fc2=linear_classes(layer, "fc2")))
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=TorchNorm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=TorchNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            # checkpoint keys identical to Transformer Engine's fused norm+linear layout
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def block_spec(config: TransformerConfig, vp_stage: int | None,
+               linear_classes: LinearClasses) -> TransformerBlockSubmodules:
+    offset = get_transformer_layer_offset(config, vp_stage)
+    count = get_num_layers_to_build(config, vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(offset + i, linear_classes) for i in range(count)],
+        layer_norm=TorchNorm,
+    )
+
+
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                       linear_classes: LinearClasses = default_linear_classes) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), not yet wrapped in DDP."""
+    vp_size = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vp_size or 1):
+        stage = vp_stage if vp_size else None
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(config, stage, linear_classes),
+            vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=stage),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=int(args.rotary_base),
+            vp_stage=stage,
+        ))
+    return chunks

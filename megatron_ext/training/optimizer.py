@@ -1,0 +1,93 @@
+"""DDP wrapping, the megatron-core optimizer (AdamW, optionally distributed) and LR schedule."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.training.errors import UsageError
+
+
+def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
+    """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32)."""
+    if args.use_torch_fsdp2 or args.use_megatron_fsdp:
+        return _wrap_fsdp(args, config, chunks)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                       disable_bucketing=i > 0)
+               for i, chunk in enumerate(chunks)]
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def _wrap_fsdp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
+    """Fully sharded data parallel through megatron-core's own wrappers (GPU only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--use-torch-fsdp2 / --use-megatron-fsdp need CUDA: megatron-core's "
+                         "FSDP wrappers place parameters on the GPU (see docs/parallelism.md)")
+    if args.use_torch_fsdp2:
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+            TorchFullyShardedDataParallel,
+        )
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+        wrapped = [TorchFullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    else:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, use_megatron_fsdp=True,
+            data_parallel_sharding_strategy="optim_grads_params")
+        wrapped = [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+                   for chunk in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(args: argparse.Namespace, model: list):
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=bool(args.bf16),
+        params_dtype=model[0].config.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer
+        or args.use_torch_fsdp2 or args.use_megatron_fsdp,
+    )
+    return get_megatron_optimizer(config, model)
+
+
+def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+    """Iteration-based warmup + decay (constant / linear / cosine / WSD)."""
+    wsd_steps = args.lr_wsd_decay_iters
+    if args.lr_decay_style == "WSD" and wsd_steps is None:
+        wsd_steps = max(1, args.lr_decay_iters // 5)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=wsd_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )

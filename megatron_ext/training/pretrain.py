@@ -1,0 +1,84 @@
+"""``pretrain(family)``: parse, build (model, optimizer, data, checkpoints), train.
+
+The entry points ``pretrain_llama.py`` / ``pretrain_gpt.py`` only call :func:`main`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.training.arguments import ArgsProvider, parse_args
+from megatron_ext.training.errors import UsageError
+
+
+def _write_args(args) -> None:
+    os.makedirs(args.run_dir, exist_ok=True)
+    with open(os.path.join(args.run_dir, "args.json"), "w", encoding="utf-8") as f:
+        json.dump(vars(args), f, indent=2, sort_keys=True, default=str)
+
+
+def setup(args):
+    """Distributed init, data, model, optimizer, scheduler, checkpointer; resumes on --load."""
+    from megatron_ext.training import checkpointing, data, distributed, init, model, optimizer
+    from megatron_ext.training.loop import TrainState
+
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available()
+    distributed.initialize(args)
+    tokenizer, train_ds, valid_ds = data.build_data(args)
+    args.padded_vocab_size = model.padded_vocab_size(tokenizer.vocab_size, args)
+    config = model.transformer_config(args)
+    chunks = model.build_model_chunks(args, config, args.padded_vocab_size)
+    init.initialize_layout_invariant(chunks, config, args.seed)
+    if torch.cuda.is_available():
+        chunks = [c.cuda() for c in chunks]
+    ddp_model = optimizer.wrap_ddp(args, config, chunks)
+    opt = optimizer.build_optimizer(args, ddp_model)
+    scheduler = optimizer.build_scheduler(args, opt)
+    ckpt = checkpointing.Checkpointer(args.save, ddp_model, opt, scheduler)
+    state = ckpt.load(args.load) if args.load else TrainState()
+    return ddp_model, opt, scheduler, (train_ds, valid_ds), state, ckpt
+
+
+def pretrain(family: str, argv=None, extra_args_provider: ArgsProvider | None = None):
+    """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState."""
+    from megatron_ext.training.loop import train
+    from megatron_ext.training.metrics import MetricsLogger
+
+    args = parse_args(family, argv, extra_args_provider)
+    model, opt, scheduler, datasets, state, ckpt = setup(args)
+    logger = None
+    if dist.get_rank() == 0:
+        _write_args(args)
+        logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir)
+        n_params = sum(p.numel() for c in model for p in c.parameters())
+        print(f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
+              f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+              f"DP={args.data_parallel} | {args.num_microbatches} micro-batches/step | "
+              f"run dir {args.run_dir}", flush=True)
+    try:
+        state = train(args, model, opt, scheduler, datasets, state,
+                      ckpt if args.save else None, logger)
+    finally:
+        if logger:
+            logger.close()
+    return state
+
+
+def main(family: str, extra_args_provider: ArgsProvider | None = None) -> int:
+    """CLI wrapper: bad input -> one line on stderr and exit status 2."""
+    try:
+        pretrain(family, extra_args_provider=extra_args_provider)
+    except UsageError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,15 @@
+"""Pretrain a Gpt model with megatron-core on CPU (gloo) or GPU (NCCL).
+
+    python pretrain_gpt.py                      # tiny model, embedded corpus, CPU
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2
+
+See `python pretrain_gpt.py --help` for every flag.
+"""
+
+import sys
+
+from megatron_ext.training.pretrain import main
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns worker processes
+    sys.exit(main("gpt"))
