@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model
 
 from megatron_ext.training.errors import UsageError
 from megatron_ext.training.loop import TrainState
@@ -82,6 +83,7 @@ class Checkpointer:
     def __init__(self, save_dir: str | None, model: list, optimizer, scheduler):
         self.save_dir = save_dir
         self.model = model
+        self.modules = unwrap_model(model)  # the GPTModels inside the DDP wrappers
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.extra: dict[str, StateProvider] = {}
@@ -91,7 +93,7 @@ class Checkpointer:
         self.extra[name] = provider
 
     def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
-        model_sd = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
+        model_sd = {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(self.modules)}
         state = {"model": model_sd,
                  "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
         if with_rng:
@@ -138,8 +140,8 @@ class Checkpointer:
         except Exception as exc:  # corrupt or incompatible files: one line, not a traceback
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UsageError(f"--load: cannot read checkpoint '{path}': {first}") from exc
-        for i, chunk in enumerate(self.model):
-            chunk.load_state_dict(loaded["model"][f"chunk{i}"])
+        for i, module in enumerate(self.modules):
+            module.load_state_dict(loaded["model"][f"chunk{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(common["scheduler"])
         if same_layout:
