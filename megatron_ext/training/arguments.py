@@ -11,6 +11,7 @@ import os
 import time
 from typing import Callable, Iterable
 
+from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.training.errors import UsageError
 from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
 
@@ -106,6 +107,8 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None, help="resume from this checkpoint dir")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (a final checkpoint is always written)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving a checkpoint) once the iteration is a multiple of N")
 
 
 def build_parser(family: str, extra_args_provider: ArgsProvider | None = None):
@@ -136,7 +139,7 @@ def parse_args(family: str, argv: Iterable[str] | None = None,
         if getattr(args, field) is None:
             setattr(args, field, getattr(arch, field))
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = resolve_launch().world_size
     args.world_size = world_size
     validate_args(args)
     if args.run_dir is None:
@@ -210,6 +213,8 @@ def validate_args(args: argparse.Namespace) -> None:
                "the interleaved schedule needs the number of micro-batches to be a multiple "
                "of PP")
     _check(not (args.data_path and args.mock_data), "--data-path and --mock-data exclude each other")
+    _check(args.load is None or os.path.isdir(args.load),
+           f"--load: checkpoint directory '{args.load}' does not exist")
     _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
            "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
     if args.lr_decay_iters is None:

@@ -101,6 +101,15 @@ def evaluate(args, model, valid_dataset) -> float:
     return loss
 
 
+def _validate(args, model, valid_ds, state: TrainState, logger) -> None:
+    if not args.eval_iters:
+        return
+    val_loss = evaluate(args, model, valid_ds)
+    if logger:
+        logger.validation({"step": state.iteration, "val_loss": val_loss,
+                           "val_ppl": math.exp(min(val_loss, 50.0))})
+
+
 def _memory_gib() -> dict:
     if not torch.cuda.is_available():
         return {}
@@ -115,6 +124,8 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, datasets, state
     tokens_per_step = args.global_batch_size * args.seq_length
     for chunk in model:
         chunk.train()
+    if state.iteration == 0:
+        _validate(args, model, valid_ds, state, logger)  # the starting point of the curve
     while state.iteration < args.train_iters:
         start = time.time()
         result = train_step(args, model, optimizer, scheduler, iterator)
@@ -130,12 +141,15 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, datasets, state
                 "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                 "consumed_samples": state.consumed_samples, **_memory_gib()})
         last = state.iteration == args.train_iters
-        if args.eval_iters and (state.iteration % args.eval_interval == 0 or last):
-            val_loss = evaluate(args, model, valid_ds)
-            if logger:
-                logger.validation({"step": state.iteration, "val_loss": val_loss,
-                                   "val_ppl": math.exp(min(val_loss, 50.0))})
-        if checkpointer is not None and (last or (args.save_interval and
-                                                  state.iteration % args.save_interval == 0)):
+        if state.iteration % args.eval_interval == 0 or last:
+            _validate(args, model, valid_ds, state, logger)
+        stop = bool(args.exit_interval) and state.iteration % args.exit_interval == 0
+        if checkpointer is not None and (last or stop or _due(args.save_interval, state)):
             checkpointer.save(state)
+        if stop:
+            break
     return state
+
+
+def _due(interval: int | None, state: TrainState) -> bool:
+    return bool(interval) and state.iteration % interval == 0

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.training.arguments import ArgsProvider, parse_args
+from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.training.errors import UsageError
 
 
@@ -72,10 +74,13 @@ def pretrain(family: str, argv=None, extra_args_provider: ArgsProvider | None = 
 
 def main(family: str, extra_args_provider: ArgsProvider | None = None) -> int:
     """CLI wrapper: bad input -> one line on stderr and exit status 2."""
+    # megatron-core warns at import about optional GPU libraries (TE, Apex) that CPU runs
+    # never use; they would bury the one line a user needs to read.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
         pretrain(family, extra_args_provider=extra_args_provider)
     except UsageError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if resolve_launch().rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
