@@ -1,0 +1,86 @@
+"""Train/valid/test GPT datasets from megatron-core's ``BlendedMegatronDatasetBuilder``.
+
+What megatron-core does with the arguments of ``build_datasets``:
+
+* ``data_path`` uses Megatron-LM's ``--data-path`` syntax and goes through
+  ``get_blend_from_list``: ``["a"]`` is one dataset; ``["0.7", "a", "0.3", "b"]`` draws 70% of
+  the samples of every split from ``a`` and 30% from ``b`` (a ``BlendedDataset``);
+  ``["a", "b"]`` (no weights) blends in proportion to the datasets' sizes.
+* ``split`` (``"969,30,1"``) cuts each dataset's *documents* into consecutive train/valid/test
+  ranges in those proportions; a zero weight gives ``None`` for that split.
+* ``num_samples[i]`` is how many samples split ``i`` must offer: a ``GPTDataset`` repeats its
+  documents for as many epochs as needed (each epoch shuffled with ``seed``), so it can be
+  longer than one pass over the data.
+* A sample is ``seq_length + 1`` consecutive tokens of the shuffled document stream
+  (documents are concatenated, separated by their EOD token), returned as a dict of
+  ``tokens``/``labels`` (shifted by one), ``loss_mask`` and ``position_ids``. No
+  ``attention_mask`` key is produced (``create_attention_mask=False``): attention is causal.
+* The sample indices are cached as ``.npy`` files in ``cache_dir`` (default: a ``cache``
+  directory next to each dataset) and reused by later runs with the same arguments.
+* ``mock=True`` builds megatron's ``MockGPTDataset`` (synthetic ``1, 2, 3, ...`` documents)
+  and needs no files; megatron then ignores ``split`` and uses ``"1,1,1"``.
+
+With ``torch.distributed`` initialised, megatron builds (and caches) on global rank 0 first,
+then every other rank loads from the cache after a barrier, so all ranks must call
+``build_datasets`` together. ``is_built_on_rank`` is ``lambda: True``: every rank gets a
+dataset and reads its own micro-batches (see ``megatron_ext.data.sampler``).
+"""
+
+import os
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+from megatron.core.datasets.utils import get_blend_from_list
+
+from megatron_ext.data.tokenizer import Tokenizer
+
+
+def build_datasets(
+    data_path: list[str] | None,
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    tokenizer: Tokenizer,
+    mock: bool = False,
+    cache_dir: str | None = None,
+) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
+    """Build the (train, valid, test) datasets; a split with zero weight is ``None``.
+
+    Raises:
+        ValueError: neither ``data_path`` nor ``mock`` is given.
+        FileNotFoundError: a dataset's ``.bin`` or ``.idx`` file is missing.
+    """
+    if mock:
+        blend = None
+    elif not data_path:
+        raise ValueError("build_datasets needs a data_path (Megatron --data-path) or mock=True")
+    else:
+        blend = get_blend_from_list(data_path)
+        _check_files_exist(blend[0])
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        MockGPTDataset if mock else GPTDataset, list(num_samples), lambda: True, config
+    )
+    train, valid, test = builder.build()
+    return train, valid, test
+
+
+def _check_files_exist(prefixes: list[str]) -> None:
+    """Fail early with a one-line message instead of megatron's assertion."""
+    for prefix in prefixes:
+        for path in (get_idx_path(prefix), get_bin_path(prefix)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"dataset file not found: {path} (data path {prefix!r})")

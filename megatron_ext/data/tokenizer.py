@@ -1,0 +1,157 @@
+"""Tokenizers that megatron-core's GPT datasets can use.
+
+megatron-core's ``GPTDatasetConfig`` takes a tokenizer object and reads only a few things
+from it:
+
+* ``vocab_size`` -- to pick the on-disk token dtype (uint16 below 65536 ids, else int32);
+* ``eod`` -- the end-of-document id, used by the loss/position masks and by mock data;
+* ``unique_identifiers`` -- a JSON-able dict hashed into the name of the cached sample indices;
+* ``pad`` (optional) -- absent here, so megatron pads with its private id -1.
+
+Our preprocessing also needs ``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``.
+Both tokenizers below subclass megatron-core's current abstract tokenizer
+``megatron.core.tokenizers.MegatronTokenizerBase`` (the type ``GPTDatasetConfig.tokenizer``
+is annotated with; the older ``megatron.core.datasets.megatron_tokenizer`` class is
+deprecated in 0.16 and warns on every construction).
+
+Two kinds exist:
+
+* ``ByteTokenizer`` -- needs no file: ids 0..255 are the UTF-8 bytes, id 256 is EOD.
+* ``JsonTokenizer`` -- a Hugging Face ``tokenizers`` ``tokenizer.json`` (for example the BPE
+  tokenizer trained by ``megatron_ext.data.corpus``) whose EOD is the special token
+  ``<|endoftext|>``.
+"""
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import tokenizers
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+EOD_TOKEN = "<|endoftext|>"
+"""Text form of the end-of-document token, shared by every tokenizer of this package."""
+
+
+class Tokenizer(MegatronTokenizerBase):
+    """Common base: the megatron-facing identity of a tokenizer.
+
+    Subclasses provide ``tokenize``, ``detokenize``, ``vocab``, ``vocab_size`` and ``eod``.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, config={})
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """What makes cached dataset indices built with this tokenizer reusable."""
+        return OrderedDict(
+            [
+                ("class", type(self).__name__),
+                ("tokenizer_path", self.path),
+                ("vocab_size", self.vocab_size),
+                ("eod", self.eod),
+            ]
+        )
+
+    def apply_chat_template(self, *args, **kwargs):
+        """Required by ``MegatronTokenizerBase``; pretraining tokenizers have no chat format."""
+        raise NotImplementedError(f"{type(self).__name__} has no chat template")
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens: ids 0..255 are bytes, id 256 is the end-of-document token."""
+
+    def __init__(self) -> None:
+        super().__init__(path="byte")
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text`` as its UTF-8 bytes."""
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Decode bytes back to text; EOD is rendered as ``<|endoftext|>``.
+
+        Invalid UTF-8 (e.g. a window cut in the middle of a character) becomes U+FFFD.
+        """
+        eod = EOD_TOKEN.encode("utf-8")
+        data = b"".join(eod if int(i) == self.eod else bytes([int(i)]) for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def eod(self) -> int:
+        """The end-of-document id, one past the last byte."""
+        return 256
+
+    @property
+    def vocab_size(self) -> int:
+        """256 bytes plus EOD."""
+        return 257
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id; bytes are shown as ``<0xNN>``."""
+        table = {f"<0x{b:02X}>": b for b in range(256)}
+        table[EOD_TOKEN] = self.eod
+        return table
+
+
+class JsonTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` model loaded from a ``tokenizer.json`` file.
+
+    The file must define the special token ``<|endoftext|>``, which becomes ``eod``.
+    Special tokens written literally in the input text are encoded as ordinary text, so
+    only the preprocessing step (``append_eod``) ever produces the EOD id.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path=os.path.abspath(path))
+        self._tokenizer = tokenizers.Tokenizer.from_file(self.path)
+        self._tokenizer.encode_special_tokens = True
+        eod = self._tokenizer.token_to_id(EOD_TOKEN)
+        if eod is None:
+            raise ValueError(f"{self.path} has no {EOD_TOKEN} token to use as end-of-document")
+        self._eod = eod
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text`` without adding any special tokens."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Decode ids to text, keeping special tokens (EOD shows as ``<|endoftext|>``)."""
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def eod(self) -> int:
+        """The id of ``<|endoftext|>``."""
+        return self._eod
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added/special tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, added/special tokens included."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+
+def build_tokenizer(tokenizer_model: str | None) -> Tokenizer:
+    """Return the tokenizer named by ``tokenizer_model``.
+
+    ``None`` or ``"byte"`` gives the built-in ``ByteTokenizer`` (vocab 257); anything else is
+    read as the path of a ``tokenizers`` ``tokenizer.json``.
+
+    Raises:
+        FileNotFoundError: the path does not name a file.
+        ValueError: the file has no ``<|endoftext|>`` token.
+    """
+    if tokenizer_model is None or tokenizer_model == "byte":
+        return ByteTokenizer()
+    if not os.path.isfile(tokenizer_model):
+        raise FileNotFoundError(
+            f"tokenizer model not found: {tokenizer_model} "
+            "(expected a tokenizers tokenizer.json, or 'byte')"
+        )
+    return JsonTokenizer(tokenizer_model)
