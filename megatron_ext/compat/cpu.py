@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _ACTIVE_MODE: "CudaToCpuMode | None" = None
+_ORIGINALS: dict = {}
 
 
 def _to_cpu_device(device):
@@ -78,11 +79,21 @@ def _noop(*args, **kwargs):
     return None
 
 
-def _patch_megatron_rng():
+def _patches() -> list[tuple[object, str, object]]:
+    """(owner, attribute, CPU replacement) for every patched function."""
     from megatron.core.tensor_parallel import random as mcore_random
 
-    mcore_random._get_cuda_rng_state = _cpu_rng_state
-    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    return [
+        (torch.cuda, "current_device", lambda: torch.device("cpu")),
+        (torch.cuda, "get_rng_state", _cpu_rng_state),
+        (torch.cuda.random, "get_rng_state", _cpu_rng_state),
+        (torch.cuda, "set_rng_state", _set_cpu_rng_state),
+        (torch.cuda, "manual_seed", _seed_cpu_generator),
+        (torch.cuda, "synchronize", _noop),
+        (torch.cuda, "empty_cache", _noop),
+        (mcore_random, "_get_cuda_rng_state", _cpu_rng_state),
+        (mcore_random, "_set_cuda_rng_state", _set_cpu_rng_state),
+    ]
 
 
 def is_active() -> bool:
@@ -100,14 +111,21 @@ def activate() -> bool:
         return False
     if _ACTIVE_MODE is not None:
         return True
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.get_rng_state = _cpu_rng_state
-    torch.cuda.random.get_rng_state = _cpu_rng_state
-    torch.cuda.set_rng_state = _set_cpu_rng_state
-    torch.cuda.manual_seed = _seed_cpu_generator
-    torch.cuda.synchronize = _noop
-    torch.cuda.empty_cache = _noop
-    _patch_megatron_rng()
+    for owner, name, replacement in _patches():
+        _ORIGINALS[(owner, name)] = getattr(owner, name)
+        setattr(owner, name, replacement)
     _ACTIVE_MODE = CudaToCpuMode()
     _ACTIVE_MODE.__enter__()
     return True
+
+
+def deactivate() -> None:
+    """Undo :func:`activate` (tests use it to leave the process as they found it)."""
+    global _ACTIVE_MODE
+    if _ACTIVE_MODE is None:
+        return
+    _ACTIVE_MODE.__exit__(None, None, None)
+    _ACTIVE_MODE = None
+    for (owner, name), original in _ORIGINALS.items():
+        setattr(owner, name, original)
+    _ORIGINALS.clear()

@@ -1,0 +1,141 @@
+"""Throughput of the fake-quantization references on CPU (not a test).
+
+Quantizes a SIZE x SIZE float32 tensor with each format and prints input GB/s beside
+``clone()`` (the memory-bandwidth floor: one read, one write) and beside torchao's MX /
+NVFP4 emulation when torchao is installed, checking that the results are bit-identical.
+
+    python benchmarks/quantize.py                 # 4096x4096, 2 threads, default formats
+    python benchmarks/quantize.py --formats mxfp4 nvfp4 --repeat 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+try:
+    from megatron_ext.formats import fake_quant
+except ImportError:  # run from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from megatron_ext.formats import fake_quant
+
+DEFAULT_FORMATS = [
+    "mxfp4", "mxfp8", "mxfp6_e2m3", "nvfp4", "mxfp4+sr",
+    "fp8_e4m3", "fp8_e4m3@row", "fp8_e4m3@tile128", "fp8_e4m3@block128", "fp8_e5m2@tile128",
+    "fp4_e2m1@tile128", "fp4_e2m1@block128", "fp4_e2m1@tile128+sr", "int8@row", "int4@tile128",
+    "bf16",
+]  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size", type=int, default=4096, help="rows = cols of the input (default 4096)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per row; the best is kept")
+    p.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, help="format names to time")
+    p.add_argument("--no-torchao", action="store_true", help="skip the torchao comparison rows")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def best_seconds(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def torchao_references() -> dict:
+    """name -> quantize-dequantize function from torchao, or {} when it is missing."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+            from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+            from torchao.prototype.mx_formats.nvfp4_tensor import (
+                nvfp4_quantize,
+                per_tensor_amax_to_scale,
+            )
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return {}
+
+    def mx(elem_dtype):
+        def run(x):
+            scale, data = to_mx(x, elem_dtype, 32)
+            return to_dtype(data, scale, elem_dtype, 32, x.dtype)
+
+        return run
+
+    def nvfp4(x):
+        t = per_tensor_amax_to_scale(x.abs().max())
+        scale, data = nvfp4_quantize(x, 16, t)
+        q = f4_unpacked_to_f32(unpack_uint4(data)).view(x.shape[0], -1, 16)
+        return (q * (t * scale.to(torch.float32)).unsqueeze(-1)).view(x.shape)
+
+    return {
+        "mxfp4": mx(torch.float4_e2m1fn_x2),
+        "mxfp8": mx(torch.float8_e4m3fn),
+        "mxfp6_e2m3": mx("fp6_e2m3"),
+        "nvfp4": nvfp4,
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.size, args.size, generator=gen)
+    gbytes = x.numel() * x.element_size() / 1e9
+    clone_s = best_seconds(lambda: x.clone(), args.repeat)
+    refs = {} if args.no_torchao else torchao_references()
+
+    print(
+        f"input {args.size}x{args.size} float32 ({gbytes * 1e3:.0f} MB), "
+        f"{torch.get_num_threads()} threads, best of {args.repeat}, torch {torch.__version__}"
+    )
+    header = f"{'quantizer':<24}{'ms':>9}{'GB/s':>8}{'x clone':>9}{'vs torchao':>12}  bit-identical"
+    print(header)
+    print("-" * len(header))
+    print(f"{'clone()':<24}{clone_s * 1e3:9.1f}{gbytes / clone_s:8.2f}{1.0:9.2f}")
+    # all of ours first, then torchao: a run of torchao's emulation leaves the allocator
+    # and page cache in a state that makes later large allocations cheaper, which would
+    # flatter whatever is timed after it
+    ours = {
+        name: best_seconds(lambda name=name: fake_quant(x, name), args.repeat)
+        for name in args.formats
+    }
+    theirs, same = {}, {}
+    for name, ref in refs.items():
+        if name in ours:
+            theirs[name] = best_seconds(lambda ref=ref: ref(x), max(1, args.repeat // 2))
+            bits_equal = torch.equal(
+                fake_quant(x, name).view(torch.int32), ref(x).view(torch.int32)
+            )
+            same[name] = "yes" if bits_equal else "NO"
+    for name, seconds in ours.items():
+        speedup = f"{theirs[name] / seconds:11.1f}x" if name in theirs else ""
+        print(
+            f"{name:<24}{seconds * 1e3:9.1f}{gbytes / seconds:8.2f}{seconds / clone_s:9.2f}"
+            f"{speedup:>12}  {same.get(name, '')}"
+        )
+    for name, seconds in theirs.items():
+        print(
+            f"{'torchao ' + name:<24}{seconds * 1e3:9.1f}{gbytes / seconds:8.2f}{seconds / clone_s:9.2f}"
+        )
+    ratios = [seconds / clone_s for seconds in ours.values()]
+    print(f"median x clone over {len(ours)} formats: {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Cases for the Triton kernels on CPU under the Triton interpreter (not collected
+directly: ``test_formats_triton.py`` runs this file in a fresh process with
+``TRITON_INTERPRET=1``, which must be set before triton is first imported). The
+interpreter runs about a millisecond per program instance, hence the small shapes.
+"""
+
+import os
+
+import pytest
+import torch
+from formats_reference import fake_quant_ref
+from test_formats_numerics import assert_bits_equal
+
+from megatron_ext.formats import fake_quant_2d, get_format
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_formats_triton.py"
+
+from megatron_ext.formats import triton_kernels as tk
+
+NEAREST = [
+    ("fp8_e4m3@tile128", (37, 300)), ("fp8_e5m2@tile128", (37, 300)), ("fp8_e4m3@block128", (130, 200)),
+    ("fp4_e2m1@tile128", (37, 300)), ("fp4_e2m1@block128", (130, 200)), ("mxfp4", (37, 300)),
+    ("mxfp8", (37, 300)), ("mxfp6_e3m2", (37, 100)), ("nvfp4", (37, 300)), ("int8@tile128", (37, 300)),
+    ("int4@block32", (40, 70)),
+]  # fmt: skip
+
+
+def special_input(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape[0], 1, generator=gen) * 3)
+    x[0, :40] = 0.0
+    x[0, 3] = -0.0
+    x[1, 1] = float("nan")
+    x[2, 2] = float("-inf")
+    x[3, 3] = -1e-30
+    x[4, 4] = 3e-39  # subnormal
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("name,shape", NEAREST)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_matches_reference_bit_for_bit(name, shape, dtype):
+    fmt = get_format(name)
+    x = special_input(shape, dtype)
+    assert tk.supports(fmt, x)
+    assert_bits_equal(tk.fake_quant_2d(x, fmt), fake_quant_2d(x, fmt))
+
+
+def test_kernel_float16():
+    x = special_input((37, 300), torch.float16)
+    for name in ("mxfp4", "fp8_e4m3@tile128"):
+        assert_bits_equal(tk.fake_quant_2d(x, get_format(name)), fake_quant_2d(x, get_format(name)))
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("fp8_e4m3", torch.float32), ("fp8_e4m3@row", torch.float32), ("bf16", torch.float32),
+     ("fp8_e4m3@tile100", torch.float32), ("fp8_e4m3@block256", torch.float32), ("mxfp4", torch.float64)],
+)  # fmt: skip
+def test_unsupported_cases_fall_back(name, dtype):
+    assert not tk.supports(get_format(name), torch.zeros(2, 2, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", ["fp4_e2m1@tile128+sr", "mxfp4+sr", "nvfp4+sr", "int4@tile128+sr"])
+def test_stochastic_kernel_has_the_reference_distribution(name):
+    """Same neighbours, unbiased, and per element the same rounding-up frequency as the
+    torch reference (two independent samples of n draws: |p1 - p2| <= 5 sqrt(2 p (1-p) / n))."""
+    n = 256
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(1, 128, generator=gen) * 2).expand(n, -1).contiguous()
+    fmt, nearest = get_format(name), name.removesuffix("+sr")
+    down, up = (
+        fake_quant_ref(x[:1], nearest, mode="down")[0],
+        fake_quant_ref(x[:1], nearest, mode="up")[0],
+    )
+    ours = tk.fake_quant_2d(x, fmt, torch.Generator().manual_seed(1))
+    ref = fake_quant_2d(x, fmt, torch.Generator().manual_seed(1))
+    assert ((ours == down) | (ours == up)).all()
+    keep = up > down
+    p_ours = (ours == up).double().mean(0)[keep]
+    p_ref = (ref == up).double().mean(0)[keep]
+    frac = ((x[0] - down) / (up - down)).double()[keep]  # exact up-probability
+    bound = 5 * (2 * frac * (1 - frac) / n).sqrt() + 1e-9
+    assert ((p_ours - p_ref).abs() <= bound).all()
+    assert ((p_ours - frac).abs() <= bound).all()
+    assert abs((p_ours - frac).sum()) <= 5 * (frac * (1 - frac) / n).sum().sqrt()
+
+
+def test_stochastic_kernel_is_reproducible_per_seed():
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(2))
+    fmt = get_format("mxfp4+sr")
+    a = tk.fake_quant_2d(x, fmt, torch.Generator().manual_seed(5))
+    b = tk.fake_quant_2d(x, fmt, torch.Generator().manual_seed(5))
+    c = tk.fake_quant_2d(x, fmt, torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
