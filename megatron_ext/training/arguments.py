@@ -11,6 +11,8 @@ import os
 import time
 from typing import Callable, Iterable
 
+import torch
+
 from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.training.errors import UsageError
 from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
@@ -65,7 +67,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help="default: micro-batch-size x data-parallel size (no accumulation)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--lr-warmup-iters", type=int, default=None,
+                   help="default: 5%% of --lr-decay-iters")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "WSD"],
                    default="cosine")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
@@ -141,6 +144,8 @@ def parse_args(family: str, argv: Iterable[str] | None = None,
     if world_size is None:
         world_size = resolve_launch().world_size
     args.world_size = world_size
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available()
     validate_args(args)
     if args.run_dir is None:
         args.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
@@ -219,5 +224,7 @@ def validate_args(args: argparse.Namespace) -> None:
            "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = args.lr_decay_iters // 20
     _check(args.lr_warmup_iters >= 0 and args.lr_warmup_iters < args.lr_decay_iters,
            "--lr-warmup-iters must be in [0, --lr-decay-iters)")

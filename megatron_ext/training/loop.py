@@ -116,10 +116,12 @@ def _memory_gib() -> dict:
     return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def train(args: argparse.Namespace, model, optimizer, scheduler, datasets, state: TrainState,
-          checkpointer, logger) -> TrainState:
-    """Train from ``state`` to ``--train-iters``; validate, log and checkpoint on schedule."""
-    train_ds, valid_ds = datasets
+def train(args: argparse.Namespace, run, logger, hooks=()) -> TrainState:
+    """Train ``run`` (a TrainingRun) to ``--train-iters``: validate, log and checkpoint on
+    schedule, and call each ``hook(args, model, state)`` after every step."""
+    model, optimizer, scheduler, state = run.model, run.optimizer, run.scheduler, run.state
+    checkpointer = run.checkpointer if args.save else None
+    train_ds, valid_ds = run.datasets
     iterator = _iterators(args, train_ds, state.consumed_samples, len(model))
     tokens_per_step = args.global_batch_size * args.seq_length
     for chunk in model:
@@ -127,6 +129,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, datasets, state
     if state.iteration == 0:
         _validate(args, model, valid_ds, state, logger)  # the starting point of the curve
     while state.iteration < args.train_iters:
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         start = time.time()
         result = train_step(args, model, optimizer, scheduler, iterator)
         step_time = time.time() - start
@@ -134,12 +137,15 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, datasets, state
         state.consumed_samples += args.global_batch_size
         if not math.isfinite(result["loss"]):
             raise FloatingPointError(f"loss is {result['loss']} at step {state.iteration}")
+        extra = {}
+        for hook in hooks:
+            extra.update(hook(args, model, state) or {})
         if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1):
             logger.train_step({
                 "step": state.iteration, "loss": result["loss"],
-                "lr": optimizer.param_groups[0]["lr"], "grad_norm": result["grad_norm"],
+                "lr": lr, "grad_norm": result["grad_norm"],
                 "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                "consumed_samples": state.consumed_samples, **_memory_gib()})
+                "consumed_samples": state.consumed_samples, **_memory_gib(), **extra})
         last = state.iteration == args.train_iters
         if state.iteration % args.eval_interval == 0 or last:
             _validate(args, model, valid_ds, state, logger)

@@ -9,13 +9,33 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.training.arguments import ArgsProvider, parse_args
+from megatron_ext.training import extensions as ext
+from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.training.errors import UsageError
+
+
+@dataclass
+class TrainingRun:
+    """Everything ``setup`` builds for one rank."""
+
+    model: list
+    """Model chunks wrapped in megatron DDP (one per virtual pipeline stage)."""
+    optimizer: object
+    """megatron-core optimizer (AdamW, distributed or not)."""
+    scheduler: object
+    """megatron-core OptimizerParamScheduler."""
+    datasets: tuple
+    """(train, validation) datasets."""
+    state: object
+    """TrainState: iteration and consumed samples (restored on --load)."""
+    checkpointer: object
+    """Checkpointer; extensions register extra state on it."""
 
 
 def _write_args(args) -> None:
@@ -24,18 +44,17 @@ def _write_args(args) -> None:
         json.dump(vars(args), f, indent=2, sort_keys=True, default=str)
 
 
-def setup(args):
+def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     """Distributed init, data, model, optimizer, scheduler, checkpointer; resumes on --load."""
     from megatron_ext.training import checkpointing, data, distributed, init, model, optimizer
     from megatron_ext.training.loop import TrainState
 
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available()
     distributed.initialize(args)
     tokenizer, train_ds, valid_ds = data.build_data(args)
     args.padded_vocab_size = model.padded_vocab_size(tokenizer.vocab_size, args)
     config = model.transformer_config(args)
-    chunks = model.build_model_chunks(args, config, args.padded_vocab_size)
+    linears = ext.linear_classes(extensions, args) or model.default_linear_classes
+    chunks = model.build_model_chunks(args, config, args.padded_vocab_size, linears)
     init.initialize_layout_invariant(chunks, config, args.seed)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
@@ -43,42 +62,51 @@ def setup(args):
     opt = optimizer.build_optimizer(args, ddp_model)
     scheduler = optimizer.build_scheduler(args, opt)
     ckpt = checkpointing.Checkpointer(args.save, ddp_model, opt, scheduler)
+    for extension in extensions:
+        if extension.after_setup is not None:
+            extension.after_setup(args, ddp_model, ckpt)
     state = ckpt.load(args.load) if args.load else TrainState()
-    return ddp_model, opt, scheduler, (train_ds, valid_ds), state, ckpt
+    return TrainingRun(ddp_model, opt, scheduler, (train_ds, valid_ds), state, ckpt)
 
 
-def pretrain(family: str, argv=None, extra_args_provider: ArgsProvider | None = None):
+def _announce(family: str, args, run: TrainingRun) -> None:
+    n_params = sum(p.numel() for c in run.model for p in c.parameters())
+    print(f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
+          f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+          f"DP={args.data_parallel} | {args.num_microbatches} micro-batches/step | "
+          f"run dir {args.run_dir}", flush=True)
+
+
+def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState."""
     from megatron_ext.training.loop import train
     from megatron_ext.training.metrics import MetricsLogger
 
-    args = parse_args(family, argv, extra_args_provider)
-    model, opt, scheduler, datasets, state, ckpt = setup(args)
+    args = parse_args(family, argv, ext.args_provider(list(extensions)))
+    for extension in extensions:
+        if extension.validate is not None:
+            extension.validate(args)
+    run = setup(args, list(extensions))
     logger = None
     if dist.get_rank() == 0:
         _write_args(args)
         logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir)
-        n_params = sum(p.numel() for c in model for p in c.parameters())
-        print(f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
-              f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-              f"DP={args.data_parallel} | {args.num_microbatches} micro-batches/step | "
-              f"run dir {args.run_dir}", flush=True)
+        _announce(family, args, run)
+    hooks = [e.on_step for e in extensions if e.on_step is not None]
     try:
-        state = train(args, model, opt, scheduler, datasets, state,
-                      ckpt if args.save else None, logger)
+        return train(args, run, logger, hooks)
     finally:
         if logger:
             logger.close()
-    return state
 
 
-def main(family: str, extra_args_provider: ArgsProvider | None = None) -> int:
+def main(family: str, extensions: list[ext.Extension] = ()) -> int:
     """CLI wrapper: bad input -> one line on stderr and exit status 2."""
     # megatron-core warns at import about optional GPU libraries (TE, Apex) that CPU runs
     # never use; they would bury the one line a user needs to read.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
-        pretrain(family, extra_args_provider=extra_args_provider)
+        pretrain(family, extensions=extensions)
     except UsageError as exc:
         if resolve_launch().rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
