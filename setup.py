@@ -21,7 +21,7 @@ setup(
         "scipy",
     ],
     extras_require={
-        "dev": ["pytest", "hypothesis", "triton==3.9.0", "transformers"],
-        "mpi": ["mpi4py", "mpich"],
+        # torchao: the independent MX reference in the format tests (it has no torch pin)
+        "dev": ["pytest", "hypothesis", "triton==3.9.0", "torchao==0.18.0", "mpi4py", "mpich"],
     },
 )
