@@ -37,6 +37,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this (independent of TP, so the "
                         "layout never changes the model); TP must divide the padded size")
+    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"],
+                   default="auto", help="layer implementation; auto = Transformer Engine when "
+                   "it is installed and a GPU is present, else megatron-core's local layers")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)

@@ -10,6 +10,7 @@ without touching megatron-core.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Callable
 
 import torch
@@ -145,10 +146,37 @@ def layer_spec(layer: int, linear_classes: LinearClasses) -> ModuleSpec:
     )
 
 
-def block_spec(config: TransformerConfig, vp_stage: int | None,
-               linear_classes: LinearClasses) -> TransformerBlockSubmodules:
-    offset = get_transformer_layer_offset(config, vp_stage)
+def transformer_engine_available() -> bool:
+    """TE importable and a GPU to run it on."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_transformer_impl(requested: str, custom_linears: bool) -> str:
+    """``auto`` -> Transformer Engine when it can run and no extension swaps the linears."""
+    if requested == "auto":
+        return "transformer_engine" if transformer_engine_available() and not custom_linears \
+            else "local"
+    if requested == "transformer_engine":
+        if not transformer_engine_available():
+            raise UsageError("--transformer-impl transformer_engine needs transformer_engine "
+                             "installed and a CUDA GPU")
+        if custom_linears:
+            raise UsageError("--transformer-impl transformer_engine uses TE's fused layers; "
+                             "per-layer precision needs --transformer-impl local")
+    return requested
+
+
+def block_spec(config: TransformerConfig, vp_stage: int | None, linear_classes: LinearClasses,
+               impl: str = "local") -> TransformerBlockSubmodules:
     count = get_num_layers_to_build(config, vp_stage)
+    if impl == "transformer_engine":  # megatron-core's own TE spec (fused norm + linear)
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+        return TransformerBlockSubmodules(
+            layer_specs=[get_gpt_layer_with_transformer_engine_spec()] * count, layer_norm=TENorm)
+    offset = get_transformer_layer_offset(config, vp_stage)
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec(offset + i, linear_classes) for i in range(count)],
         layer_norm=TorchNorm,
@@ -164,7 +192,8 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
         stage = vp_stage if vp_size else None
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, stage, linear_classes),
+            transformer_layer_spec=block_spec(config, stage, linear_classes,
+                                              args.transformer_impl),
             vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,

@@ -53,7 +53,10 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     tokenizer, train_ds, valid_ds = data.build_data(args)
     args.padded_vocab_size = model.padded_vocab_size(tokenizer.vocab_size, args)
     config = model.transformer_config(args)
-    linears = ext.linear_classes(extensions, args) or model.default_linear_classes
+    linears = ext.linear_classes(extensions, args)
+    args.transformer_impl = model.resolve_transformer_impl(args.transformer_impl,
+                                                           linears is not None)
+    linears = linears or model.default_linear_classes
     chunks = model.build_model_chunks(args, config, args.padded_vocab_size, linears)
     init.initialize_layout_invariant(chunks, config, args.seed)
     if torch.cuda.is_available():

@@ -103,3 +103,12 @@ def test_tp_not_dividing_padded_vocab(tmp_path):
     assert proc.returncode != 0
     assert "error: TP=2 does not divide the padded vocabulary size 257" in proc.stderr
     assert "[rank0]: Traceback" not in proc.stderr  # torchrun's own report follows, ours not
+
+
+def test_transformer_engine_impl_needs_te_and_gpu():
+    from megatron_ext.training.model import resolve_transformer_impl, transformer_engine_available
+    if transformer_engine_available():
+        pytest.skip("TE present: this checks the CPU fallback")
+    assert resolve_transformer_impl("auto", custom_linears=False) == "local"
+    with pytest.raises(UsageError, match="needs transformer_engine installed and a CUDA GPU"):
+        resolve_transformer_impl("transformer_engine", custom_linears=False)
