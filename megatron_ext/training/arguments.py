@@ -111,6 +111,8 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, help="checkpoint dir (default: <run-dir>/checkpoints)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint at all")
     g.add_argument("--load", default=None, help="resume from this checkpoint dir")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: take the model weights only (fresh optimizer, step 0)")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (a final checkpoint is always written)")
     g.add_argument("--exit-interval", type=int, default=None,

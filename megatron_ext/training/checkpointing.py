@@ -92,8 +92,11 @@ class Checkpointer:
         """Checkpoint ``provider``'s (replicated, picklable) state under ``name``."""
         self.extra[name] = provider
 
+    def _model_state(self) -> dict:
+        return model_sharded_state(self.modules)
+
     def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
-        model_sd = {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(self.modules)}
+        model_sd = self._model_state()
         state = {"model": model_sd,
                  "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
         if with_rng:
@@ -101,40 +104,24 @@ class Checkpointer:
         return state
 
     def save(self, train_state: TrainState) -> str:
-        final = os.path.join(self.save_dir, f"iter_{train_state.iteration:07d}")
-        tmp = os.path.join(self.save_dir, f".tmp_iter_{train_state.iteration:07d}")
-        rank0 = dist.get_rank() == 0
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        dist.barrier()
         state = self._sharded_state(is_loading=False, with_rng=True)
         state.update(iteration=train_state.iteration,
                      consumed_samples=train_state.consumed_samples,
                      scheduler=self.scheduler.state_dict(), layout=_layout(),
                      extra={name: p.state_dict() for name, p in self.extra.items()})
-        dist_checkpointing.save(state, tmp)
-        dist.barrier()
-        if rank0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            pointer = os.path.join(self.save_dir, TRACKER)
-            with open(pointer + ".tmp", "w", encoding="utf-8") as f:
-                f.write(f"{train_state.iteration}\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(pointer + ".tmp", pointer)
-            print(f"saved checkpoint {final}", flush=True)
-        dist.barrier()
-        return final
+        return atomic_save(state, self.save_dir, train_state.iteration)
 
-    def load(self, path: str) -> TrainState:
-        """Restore everything from ``path``; the RNG only if the rank layout is unchanged."""
+    def load(self, path: str, finetune: bool = False) -> TrainState:
+        """Restore from ``path``. The RNG only if the rank layout is unchanged; only the model
+        weights (and a fresh TrainState) with ``finetune`` or from a weights-only checkpoint."""
         path = resolve_checkpoint_dir(path)
         try:
             common = dist_checkpointing.load_common_state_dict(path)
+            weights_only = finetune or common.get("weights_only", False)
             same_layout = common.get("layout") == _layout()
-            loaded = dist_checkpointing.load(self._sharded_state(True, same_layout), path)
+            request = {"model": self._model_state()} if weights_only \
+                else self._sharded_state(True, same_layout)
+            loaded = dist_checkpointing.load(request, path)
         except UsageError:
             raise
         except Exception as exc:  # corrupt or incompatible files: one line, not a traceback
@@ -142,6 +129,8 @@ class Checkpointer:
             raise UsageError(f"--load: cannot read checkpoint '{path}': {first}") from exc
         for i, module in enumerate(self.modules):
             module.load_state_dict(loaded["model"][f"chunk{i}"])
+        if weights_only:
+            return TrainState()
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(common["scheduler"])
         if same_layout:
@@ -150,3 +139,43 @@ class Checkpointer:
             if name in common.get("extra", {}):
                 provider.load_state_dict(common["extra"][name])
         return TrainState(common["iteration"], common["consumed_samples"])
+
+
+def model_sharded_state(modules) -> dict:
+    """The model part of a checkpoint: each chunk's megatron sharded state dict (global keys,
+    so any TP / PP / virtual-PP layout can read it)."""
+    return {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+
+
+def save_weights_only(modules, save_dir: str, iteration: int = 0, **metadata) -> str:
+    """A model-only checkpoint (e.g. converted from Hugging Face) that ``--load`` reads as
+    ``--finetune``: weights restored, optimizer and progress started fresh."""
+    state = {"model": model_sharded_state(modules), "weights_only": True,
+             "layout": _layout(), **metadata}
+    return atomic_save(state, save_dir, iteration)
+
+
+def atomic_save(state: dict, save_dir: str, iteration: int) -> str:
+    """dist_checkpointing.save into ``.tmp_iter_N``, rename to ``iter_N`` once every rank is
+    done, then replace the ``latest`` pointer atomically. Collective: all ranks call it."""
+    final = os.path.join(save_dir, f"iter_{iteration:07d}")
+    tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if rank0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        pointer = os.path.join(save_dir, TRACKER)
+        with open(pointer + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer + ".tmp", pointer)
+        print(f"saved checkpoint {final}", flush=True)
+    dist.barrier()
+    return final

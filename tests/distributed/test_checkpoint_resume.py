@@ -113,3 +113,18 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
     resumed = train_losses(tmp_path / "after")
     assert resumed == {s: uninterrupted[s] for s in range(5, 13)}
     assert _latest(save) == 12 and not (save / ".tmp_iter_0000008").exists()
+
+
+def test_finetune_takes_weights_only(tmp_path):
+    from conftest import read_metrics
+
+    evals = ["--eval-iters", "2", "--eval-interval", "6"]
+    launch([*FAST_ARGS, *evals, "--train-iters", "6", *_save_args(tmp_path, "src")])
+    src_val = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "src") if "val_loss" in r}
+    launch([*FAST_ARGS, *evals, "--train-iters", "2", "--finetune", "--no-save",
+            "--load", str(tmp_path / "src-ckpt"), "--run-dir", str(tmp_path / "ft")])
+    records = read_metrics(tmp_path / "ft")
+    ft_val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert ft_val[0] == src_val[6]  # the same weights, evaluated on the same batches
+    assert ft_val[0] < src_val[0]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]  # progress starts over
