@@ -11,7 +11,8 @@ from conftest import launch, read_metrics
 def test_default_run_shortened(tmp_path):
     run_dir = tmp_path / "default"
     proc = launch(["--train-iters", "30", "--eval-interval", "15", "--eval-iters", "4",
-                   "--run-dir", str(run_dir)], timeout=600)
+                   "--run-dir", str(run_dir), "--tensorboard-dir", str(tmp_path / "tb")],
+                  timeout=600)
     assert "validation at step 30" in proc.stdout
     records = read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
@@ -31,3 +32,14 @@ def test_default_run_shortened(tmp_path):
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
     assert (ckpt / "iter_0000030" / "metadata.json").is_file()
+    _assert_tensorboard_has(tmp_path / "tb", steps)
+
+
+def _assert_tensorboard_has(tb_dir, steps):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    scalars = {e.step: e.value for e in events.Scalars("loss")}
+    assert scalars == pytest.approx({r["step"]: r["loss"] for r in steps}, rel=1e-6)
+    assert {"val_loss", "lr", "tokens_per_s"} <= set(events.Tags()["scalars"])

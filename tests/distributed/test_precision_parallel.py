@@ -1,0 +1,72 @@
+"""Quantized linears under TP / SP / PP (torchrun on gloo): the same outputs and gradients as
+at TP=1, the same training losses as a single process, per-stage FLOP fractions, and a plan
+that differs between ranks stopped."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "precision"))
+
+from precision_helpers import FAST, launch_precision  # noqa: E402
+
+from megatron_ext.precision.plan import PrecisionPlan  # noqa: E402
+from megatron_ext.precision.sites import SITES, SiteFormats  # noqa: E402
+
+WORKER = Path(__file__).resolve().parents[1] / "unit" / "precision" / "tp_worker.py"
+
+# every 128-block inside one TP=2 shard: per rank, qkv holds one whole KV group (2 x 64 query
+# + 64 key + 64 value rows = 256), fc1 [gate 128; up 128], proj / fc2 128 input columns
+ALIGNED = ["--hidden-size", "256", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
+           "--num-query-groups", "2"]
+FP4_NEAREST = SiteFormats("fp4_e2m1@tile128", "fp4_e2m1@block128", "fp4_e2m1@tile128")
+FP8 = SiteFormats("fp8_e4m3@tile128", "fp8_e4m3@block128", "fp8_e4m3@tile128")
+# layers 0-1 (PP stage 0) in FP4, 2-3 (stage 1) in FP8; nearest rounding only, so that every
+# layout draws no random numbers and must reproduce the single-process run
+PLAN = PrecisionPlan({f"L{i}.{s}": FP4_NEAREST if i < 2 else FP8 for i in range(4) for s in SITES},
+                     method="test")
+
+
+def test_tp2_and_sp_match_tp1_and_mismatched_plans_fail():
+    proc = launch_precision([], nproc=2, script=WORKER)
+    for name in ("uniform-fp8", "uniform-fp8-sp", "mx", "mx-sp"):
+        for rank in (0, 1):
+            assert f"OK {name} rank {rank}" in proc.stdout
+    assert proc.stdout.count("ranks hold different precision plans (rank 0: ") == 2
+
+
+def _train(tmp_path, name, nproc, *flags):
+    plan = tmp_path / "plan.json"
+    plan.write_text(PLAN.to_json())
+    run_dir = tmp_path / name
+    launch_precision([*FAST, *ALIGNED, "--train-iters", 4, "--no-save", "--run-dir", run_dir,
+                      "--precision-plan", plan, *flags], nproc=nproc)
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("single"), "single", 1)
+
+
+LAYOUTS = {
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_a_single_process(name, single, tmp_path):
+    records = _train(tmp_path, name, 2, *LAYOUTS[name])
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for got, ref in zip(records, single):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), got["step"]
+        assert got["precision_plan"] == ref["precision_plan"] if name != "pp2" else True
+    assert single[0]["fp4_flop_frac"] == pytest.approx(0.5)
+    if name == "pp2":  # the plan puts all FP4 on stage 0
+        first = records[0]
+        assert (first["fp4_flop_frac_stage0"], first["fp4_flop_frac_stage1"]) == (1.0, 0.0)
+        assert (first["fp8_flop_frac_stage0"], first["fp8_flop_frac_stage1"]) == (0.0, 1.0)

@@ -1,0 +1,10 @@
+"""Test launcher: the Llama entry point with the precision extension (what pretrain_llama.py
+becomes once the extension is wired in). Used by the precision tests and benchmarks."""
+
+import sys
+
+from megatron_ext.precision import precision_extension
+from megatron_ext.training.pretrain import main
+
+if __name__ == "__main__":  # dist_checkpointing spawns workers: keep the guard
+    sys.exit(main("llama", extensions=[precision_extension()]))

@@ -1,0 +1,88 @@
+"""The precision extension in real (single-process) training runs: inert without flags, FLOP
+fractions in the metrics, the plan checkpointed and restored, bad flags as one line."""
+
+import json
+
+import pytest
+
+from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec
+from precision_helpers import FAST, REPO, launch_precision
+
+
+def _records(run_dir):
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in _records(run_dir)}
+
+
+def _train(tmp_path, name, *extra, steps=3, script=None):
+    run_dir = tmp_path / name
+    kw = {"script": script} if script else {}
+    proc = launch_precision([*FAST, "--train-iters", steps, "--run-dir", run_dir, *extra], **kw)
+    return run_dir, proc
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """The plain entry point's run: megatron's linears in FP32."""
+    run_dir, _ = _train(tmp_path_factory.mktemp("fp32"), "fp32", "--no-save", steps=4,
+                        script=REPO / "pretrain_llama.py")
+    return _losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def fp4(tmp_path_factory):
+    """An uninterrupted uniform:fp4 run: (run dir, stdout)."""
+    run_dir, proc = _train(tmp_path_factory.mktemp("fp4"), "fp4", "--no-save", "--precision",
+                           "uniform:fp4", steps=4)
+    return run_dir, proc.stdout
+
+
+def test_without_precision_flags_the_run_is_megatrons(tmp_path, fp32):
+    ours, _ = _train(tmp_path, "ours", "--no-save", steps=4)
+    assert _losses(ours) == fp32
+    assert "fp4_flop_frac" not in _records(ours)[0]
+
+
+def test_uniform_fp4_trains_and_logs_its_flop_split(fp32, fp4):
+    run_dir, stdout = fp4
+    plan = plan_from_spec("uniform:fp4", 4).replace(stage_fp4_frac=[1.0])
+    assert f"precision: plan uniform:fp4 ({plan.hash[:12]}) | linear FLOPs FP4 100.0% FP8 " \
+           "0.0% BF16 0.0%" in stdout
+    first = _records(run_dir)[0]
+    assert (first["fp4_flop_frac"], first["fp8_flop_frac"], first["bf16_flop_frac"]) == (1, 0, 0)
+    assert first["precision_plan"] == plan.hash[:12] and first["gemm_time_vs_bf16"] == 0.25
+    losses = _losses(run_dir)
+    assert losses != fp32  # the GEMMs really were quantized ...
+    for step, loss in losses.items():  # ... and training still works
+        assert loss == pytest.approx(fp32[step], rel=0.05)
+
+
+def test_plan_is_checkpointed_and_restored(tmp_path, fp4):
+    # uniform:fp4 rounds dy stochastically: an identical continuation also needs the RNG
+    ckpt = tmp_path / "ckpt"
+    _train(tmp_path, "first", "--save", ckpt, "--precision", "uniform:fp4", "--exit-interval", 2,
+           steps=4)
+    resumed, proc = _train(tmp_path, "resumed", "--no-save", "--load", ckpt,
+                           "--precision", "uniform:fp8", steps=4)
+    assert "restoring the checkpoint's plan (uniform:fp4" in proc.stdout
+    assert _losses(resumed) == {s: l for s, l in _losses(fp4[0]).items() if s > 2}
+    assert _records(resumed)[0]["fp4_flop_frac"] == 1.0
+    kept, _ = _train(tmp_path, "override", "--no-save", "--load", ckpt,
+                     "--precision", "uniform:fp8", "--override-precision-plan", steps=3)
+    assert _records(kept)[0]["fp8_flop_frac"] == 1.0
+
+
+def test_bad_plan_flag_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "plan.json"
+    plan = keep_layers_bf16(plan_from_spec("uniform:fp8", 6), 0, 6)  # layers 4, 5: unknown
+    bad.write_text(plan.to_json())
+    proc = launch_precision([*FAST, "--train-iters", 2, "--run-dir", tmp_path / "r",
+                             "--precision-plan", bad], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert errors == ["error: --precision-plan: unknown site L4.qkv: the model has layers 0-3"]
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,135 @@
+"""Quantized megatron linears: bitwise megatron in passthrough, the quantized GEMM otherwise,
+formats switched between calls without a rebuild; a whole model gets every site labelled,
+a plan applied, and the cost model's shapes match the modules."""
+
+import pytest
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.precision.cost import ModelShape
+from megatron_ext.precision.gemm import quantized_gemm
+from megatron_ext.precision.layers import quantized_class, quantized_linear_classes, \
+    quantized_linears
+from megatron_ext.precision.plan import PrecisionPlan, apply_plan
+from megatron_ext.precision.policies import UNIFORM
+from megatron_ext.precision.sites import SITES, SiteFormats, resolve
+
+from precision_helpers import megatron_world  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+H, F = 96, 160
+
+
+def _config(bias: bool) -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=F,
+                             num_attention_heads=4, add_bias_linear=bias,
+                             use_cpu_initialization=True, tensor_model_parallel_size=1,
+                             pipeline_model_parallel_size=1, gradient_accumulation_fusion=False)
+
+
+def _pair(base, bias: bool, **kw):
+    """(megatron's layer, the quantized one with the same weights)."""
+    size_in, size_out = (H, F) if base is ColumnParallelLinear else (F, H)
+    make = lambda cls: cls(size_in, size_out, config=_config(bias),
+                           init_method=torch.nn.init.normal_, bias=bias, **kw)
+    ref, quant = make(base), make(quantized_class(base, 0, "fc1"))
+    quant.load_state_dict(ref.state_dict())
+    return ref, quant
+
+
+def _step(layer, x, dy):
+    x = x.clone().requires_grad_()
+    out, out_bias = layer(x)
+    if out_bias is not None:  # skip_bias_add: the caller adds it (megatron fuses it later)
+        out = out + out_bias
+    out.backward(dy)
+    params = [p.grad for p in layer.parameters()]
+    return [out.detach(), x.grad, *params]
+
+
+KINDS = [(ColumnParallelLinear, {"skip_bias_add": False}),
+         (ColumnParallelLinear, {"skip_bias_add": True}),
+         (RowParallelLinear, {"input_is_parallel": True, "skip_bias_add": False})]
+
+
+@pytest.mark.parametrize("base,kw", KINDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_passthrough_is_bitwise_megatron(base, kw, bias):
+    ref, quant = _pair(base, bias, **kw)
+    assert resolve(quant.formats).passthrough
+    x = torch.randn(7, 3, ref.input_size)
+    dy = torch.randn(7, 3, ref.output_size)
+    for r, q in zip(_step(ref, x, dy), _step(quant, x, dy), strict=True):
+        assert torch.equal(r, q)
+
+
+@pytest.mark.parametrize("base,kw", KINDS)
+def test_formats_switch_between_calls_without_rebuild(base, kw):
+    _, quant = _pair(base, False, **kw)
+    x = torch.randn(7, 3, quant.input_size)
+    dy = torch.randn(7, 3, quant.output_size)
+    plain = _step(quant, x, dy)
+    for formats in (UNIFORM["fp8"], UNIFORM["fp4"]):
+        quant.formats = formats  # takes effect on the next call
+        quant.zero_grad()
+        torch.manual_seed(0)
+        got = _step(quant, x, dy)
+        xs, ws = x.clone().requires_grad_(), quant.weight.detach().clone().requires_grad_()
+        torch.manual_seed(0)
+        ref = quantized_gemm(xs, ws, None, resolve(formats))
+        ref.backward(dy)
+        for g, r in zip(got, (ref.detach(), xs.grad, ws.grad), strict=True):
+            assert torch.equal(g, r)
+        assert not torch.equal(got[0], plain[0])
+    quant.formats = SiteFormats()
+    quant.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(_step(quant, x, dy), plain, strict=True))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(megatron_world):
+    from megatron_ext.training import model as model_lib
+    from megatron_ext.training.arguments import parse_args
+
+    args = parse_args("llama", ["--mock-data", "--num-layers", "3", "--global-batch-size", "8",
+                                "--micro-batch-size", "8"], world_size=1)
+    config = model_lib.transformer_config(args)
+    chunks = model_lib.build_model_chunks(args, config, 512, quantized_linear_classes())
+    return args, chunks
+
+
+def test_every_site_is_a_labelled_quantized_megatron_linear(tiny_model):
+    _, chunks = tiny_model
+    linears = quantized_linears(chunks)
+    assert sorted(linears) == sorted(f"L{i}.{s}" for i in range(3) for s in SITES)
+    attn = chunks[0].decoder.layers[1].self_attention
+    assert linears["L1.qkv"] is attn.linear_qkv and isinstance(attn.linear_qkv,
+                                                                ColumnParallelLinear)
+    assert isinstance(linears["L2.fc2"], RowParallelLinear)
+    # the output layer stays megatron's own
+    assert type(chunks[0].output_layer) is ColumnParallelLinear
+
+
+def test_cost_model_shapes_are_the_modules_shapes(tiny_model):
+    args, chunks = tiny_model
+    shape = ModelShape.from_args(args)
+    for sid, module in quantized_linears(chunks).items():
+        assert shape.site_nk(sid.split(".")[1]) == (module.output_size, module.input_size), sid
+
+
+def test_apply_plan_sets_each_site(tiny_model):
+    args, chunks = tiny_model
+    plan = PrecisionPlan({"L0.qkv": UNIFORM["fp4"], "L2.fc1": UNIFORM["fp8"]})
+    assert apply_plan(chunks, plan, args.num_layers) == 12
+    linears = quantized_linears(chunks)
+    assert linears["L0.qkv"].formats == UNIFORM["fp4"]
+    assert linears["L2.fc1"].formats == UNIFORM["fp8"]
+    assert linears["L1.proj"].formats == SiteFormats()  # unlisted: unquantized
+    tokens = torch.randint(0, 512, (2, 16))
+    loss = chunks[0](tokens, torch.arange(16).expand(2, 16), None, labels=tokens).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="unknown site L3.qkv"):
+        apply_plan(chunks, PrecisionPlan({"L3.qkv": UNIFORM["fp8"]}), args.num_layers)
