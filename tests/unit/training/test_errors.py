@@ -79,20 +79,16 @@ def test_missing_dataset(tmp_path):
     _assert_one_line_error(proc, "nope_text_document")
 
 
-def test_corrupt_checkpoint(tmp_path):
+@pytest.mark.parametrize("filename,content,fragment", [
+    ("metadata.json", '{"sharded_backend": ', "cannot read checkpoint"),
+    ("latest_checkpointed_iteration.txt", "garbage", "corrupt"),
+])
+def test_corrupt_checkpoint(tmp_path, filename, content, fragment):
     bad = tmp_path / "bad-ckpt"
     bad.mkdir()
-    (bad / "metadata.json").write_text('{"sharded_backend": ')
+    (bad / filename).write_text(content)
     proc = _run([*FAST_ARGS, "--train-iters", "2", "--load", str(bad)], tmp_path=tmp_path)
-    _assert_one_line_error(proc, "cannot read checkpoint")
-
-
-def test_corrupt_latest_pointer(tmp_path):
-    bad = tmp_path / "bad-ckpt"
-    bad.mkdir()
-    (bad / "latest_checkpointed_iteration.txt").write_text("garbage")
-    proc = _run([*FAST_ARGS, "--train-iters", "2", "--load", str(bad)], tmp_path=tmp_path)
-    _assert_one_line_error(proc, "corrupt")
+    _assert_one_line_error(proc, fragment)
 
 
 def test_tp_not_dividing_padded_vocab(tmp_path):
