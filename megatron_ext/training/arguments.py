@@ -207,6 +207,8 @@ def validate_args(args: argparse.Namespace) -> None:
                f"the {per_stage} layers of each stage")
         args.virtual_pipeline_model_parallel_size = per_stage // vp_layers
     _check(not args.sequence_parallel or tp > 1, "--sequence-parallel needs TP > 1")
+    _check(not args.sequence_parallel or args.seq_length % tp == 0,
+           f"--sequence-parallel needs TP={tp} to divide --seq-length {args.seq_length}")
     if args.position_embedding_type == "learned_absolute":
         _check(args.seq_length <= args.max_position_embeddings,
                f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
