@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import FAST_ARGS, REPO, launch, train_losses
+from pretrain_runner import FAST_ARGS, REPO, launch, train_losses
 
 TRAIN = ["--train-iters", "12", "--save-interval", "4"]
 
@@ -116,7 +116,7 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
 
 
 def test_finetune_takes_weights_only(tmp_path):
-    from conftest import read_metrics
+    from pretrain_runner import read_metrics
 
     evals = ["--eval-iters", "2", "--eval-interval", "6"]
     launch([*FAST_ARGS, *evals, "--train-iters", "6", *_save_args(tmp_path, "src")])

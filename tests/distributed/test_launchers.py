@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST_ARGS, REPO, free_port, train_losses
+from pretrain_runner import FAST_ARGS, REPO, free_port, train_losses
 
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 

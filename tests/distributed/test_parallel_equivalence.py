@@ -5,7 +5,7 @@ The reference is the single-process run; each layout is a real torchrun job on g
 
 import pytest
 
-from conftest import train_losses
+from pretrain_runner import train_losses
 
 STEPS = ["--train-iters", "5", "--no-save"]
 
@@ -22,7 +22,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from conftest import FAST_ARGS, launch
+    from pretrain_runner import FAST_ARGS, launch
     run_dir = tmp_path_factory.mktemp("ref") / "single"
     launch([*FAST_ARGS, *STEPS, "--run-dir", str(run_dir)])
     return train_losses(run_dir)

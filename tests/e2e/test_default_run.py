@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import launch, read_metrics
+from pretrain_runner import launch, read_metrics
 
 
 def test_default_run_shortened(tmp_path):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import FAST_ARGS, REPO, free_port, launch
+from pretrain_runner import FAST_ARGS, REPO, free_port, launch
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.errors import UsageError
 

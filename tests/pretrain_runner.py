@@ -1,0 +1,48 @@
+"""Launch the real entry points in tests (single process, or torchrun on gloo) and read runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small, fast, deterministic: 5 steps of the tiny Llama on mock data, logging every step.
+FAST_ARGS = ["--mock-data", "--log-interval", "1", "--lr-warmup-iters", "1", "--eval-iters", "0",
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "64"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(args: list[str], nproc: int = 1, family: str = "llama", timeout: int = 300,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run pretrain_<family>.py with ``args``; under torchrun (gloo) when nproc > 1."""
+    script = str(REPO / f"pretrain_{family}.py")
+    if nproc == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), script, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
