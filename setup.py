@@ -21,7 +21,9 @@ setup(
         "scipy",
     ],
     extras_require={
-        # torchao: the independent MX reference in the format tests (it has no torch pin)
-        "dev": ["pytest", "hypothesis", "triton==3.9.0", "torchao==0.18.0", "mpi4py", "mpich"],
+        # independent references in tests: torchao (MX formats; it pins no torch) and
+        # transformers (checkpoint conversion); mpich + mpi4py for the mpiexec launch test
+        "dev": ["pytest", "hypothesis", "triton==3.9.0", "torchao==0.18.0",
+                "transformers==5.23.0", "mpi4py", "mpich"],
     },
 )

@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
 from megatron_ext.training.errors import UsageError
+from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -121,6 +122,7 @@ class Checkpointer:
             same_layout = common.get("layout") == _layout()
             request = {"model": self._model_state()} if weights_only \
                 else self._sharded_state(True, same_layout)
+            _check_model_shapes(request["model"], path)
             loaded = dist_checkpointing.load(request, path)
         except UsageError:
             raise
@@ -139,6 +141,17 @@ class Checkpointer:
             if name in common.get("extra", {}):
                 provider.load_state_dict(common["extra"][name])
         return TrainState(common["iteration"], common["consumed_samples"])
+
+
+def _check_model_shapes(model_sd: dict, path: str) -> None:
+    """megatron loads some tensors (embeddings) with ``allow_shape_mismatch``: a checkpoint of
+    another vocabulary or width would load truncated or zero-padded, silently. Refuse it."""
+    saved = dist_checkpointing.load_tensors_metadata(path)
+    for sh in sharded_tensors(model_sd):
+        if sh.key in saved and tuple(saved[sh.key].global_shape) != tuple(sh.global_shape):
+            raise UsageError(f"--load: '{sh.key}' has shape {tuple(saved[sh.key].global_shape)} "
+                             f"in the checkpoint but {tuple(sh.global_shape)} in this model "
+                             "(check --vocab-size and the model flags)")
 
 
 def model_sharded_state(modules) -> dict:

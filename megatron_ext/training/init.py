@@ -29,7 +29,8 @@ def _stream_seed(seed: int, key: str, layer_offsets: tuple[int, ...]) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _sharded_tensors(sharded_state_dict) -> list[ShardedTensor]:
+def sharded_tensors(sharded_state_dict) -> list[ShardedTensor]:
+    """Every ShardedTensor of a megatron sharded state dict (factories built)."""
     out = []
     for value in nested_values(sharded_state_dict):
         if isinstance(value, ShardedTensorFactory):
@@ -55,7 +56,7 @@ def initialize_layout_invariant(model_chunks, config: TransformerConfig, seed: i
     """Re-draw every matrix weight of ``model_chunks`` from its global tensor; returns the count."""
     count = 0
     for chunk in model_chunks:
-        for sh in _sharded_tensors(chunk.sharded_state_dict()):
+        for sh in sharded_tensors(chunk.sharded_state_dict()):
             if sh.data is None or sh.data.dim() < 2 or not sh.key.endswith("weight"):
                 continue  # norms and biases: megatron's constant init is layout-free already
             _redraw(sh, config, seed)

@@ -65,6 +65,16 @@ class TorchNorm:
         return norm
 
 
+def vocab_size(tokenizer, args: argparse.Namespace) -> int:
+    """``--vocab-size`` (or the preset's) when given, else the tokenizer's; never smaller."""
+    if args.vocab_size is None:
+        return tokenizer.vocab_size
+    if tokenizer.vocab_size > args.vocab_size:
+        raise UsageError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's "
+                         f"vocabulary ({tokenizer.vocab_size})")
+    return args.vocab_size
+
+
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
     """Pad to --make-vocab-size-divisible-by (not times TP: the layout must not change the model)."""
     multiple = args.make_vocab_size_divisible_by

@@ -51,7 +51,7 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
 
     distributed.initialize(args)
     tokenizer, train_ds, valid_ds = data.build_data(args)
-    args.padded_vocab_size = model.padded_vocab_size(tokenizer.vocab_size, args)
+    args.padded_vocab_size = model.padded_vocab_size(model.vocab_size(tokenizer, args), args)
     config = model.transformer_config(args)
     linears = ext.linear_classes(extensions, args)
     args.transformer_impl = model.resolve_transformer_impl(args.transformer_impl,

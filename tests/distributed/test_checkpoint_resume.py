@@ -128,3 +128,13 @@ def test_finetune_takes_weights_only(tmp_path):
     assert ft_val[0] == src_val[6]  # the same weights, evaluated on the same batches
     assert ft_val[0] < src_val[0]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]  # progress starts over
+
+
+def test_load_into_other_vocabulary_is_refused(tmp_path):
+    # megatron itself would load the embedding zero-padded (allow_shape_mismatch): never silently
+    launch([*FAST_ARGS, "--train-iters", "2", *_save_args(tmp_path, "v384")])
+    proc = launch([*FAST_ARGS, "--train-iters", "2", "--vocab-size", "1000", "--no-save",
+                   "--load", str(tmp_path / "v384-ckpt"), "--run-dir", str(tmp_path / "v1024")],
+                  check=False)
+    assert proc.returncode == 2
+    assert "error: --load: 'embedding.word_embeddings.weight' has shape (384, 128)" in proc.stderr

@@ -1,0 +1,77 @@
+"""Tiny Hugging Face checkpoints built with ``transformers`` (no downloads) for converter tests.
+
+Imported as ``unit.convert.hf_models`` (``tests/`` is on ``sys.path``), also by the
+distributed tests. Every parameter gets its own random values (norm weights and biases too),
+so a mapping that swapped two tensors of equal shape could not go unnoticed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from megatron_ext.convert.cli import main
+
+# vocab 300 pads to 384: also the padded size of the byte tokenizer pretrain uses with
+# --mock-data (257 -> 384), so the converted models load into pretrain_*.py as they are.
+MODELS = {
+    "llama-gqa-untied": ("llama", {
+        "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+        "tie_word_embeddings": False}),
+    "llama-mha-tied": ("llama", {
+        "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128,
+        "rope_theta": 500000.0, "tie_word_embeddings": True}),
+    "gpt2-tied": ("gpt2", {
+        "vocab_size": 300, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 64,
+        "activation_function": "gelu"}),
+}
+
+
+def save_hf_model(name: str, out: Path, dtype: torch.dtype = torch.float32,
+                  max_shard_size: str | None = None, seed: int = 0, **overrides) -> Path:
+    """``save_pretrained`` a randomly initialised model ``name`` (of MODELS) into ``out``."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    kind, config = MODELS[name]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "gpt2": (GPT2Config, GPT2LMHeadModel)}[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**config, **overrides}))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(out, **kwargs)
+    return out
+
+
+def hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file in ``hf_dir``."""
+    tensors = {}
+    for path in glob.glob(os.path.join(hf_dir, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+def convert(*argv) -> int:
+    """Run ``tools/convert_checkpoint.py`` in this process; returns the exit status."""
+    return main([str(a) for a in argv])
+
+
+def convert_model(name: str, root: Path, dtype: torch.dtype = torch.float32) -> tuple[Path, Path]:
+    """(HF dir, megatron checkpoint dir) of model ``name``, converted once under ``root``."""
+    hf_dir, megatron_dir = root / name / "hf", root / name / "megatron"
+    if not megatron_dir.exists():
+        save_hf_model(name, hf_dir, dtype)
+        assert convert("hf-to-megatron", "--hf-dir", hf_dir, "--out", megatron_dir) == 0
+    return hf_dir, megatron_dir
