@@ -9,8 +9,11 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.gemm import quantized_gemm
-from megatron_ext.precision.layers import quantized_class, quantized_linear_classes, \
-    quantized_linears
+from megatron_ext.precision.layers import (
+    quantized_class,
+    quantized_linear_classes,
+    quantized_linears,
+)
 from megatron_ext.precision.plan import PrecisionPlan, apply_plan
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.precision.sites import SITES, SiteFormats, resolve

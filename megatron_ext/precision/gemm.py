@@ -1,0 +1,101 @@
+"""The quantized GEMM: one linear site's three GEMMs, each on fake-quantized operands.
+
+A linear site computes ``y = x @ w.T`` with ``x: (T, K)`` (T tokens, K input features) and
+``w: (N, K)`` (N output features). Training runs three GEMMs, and each quantizes its two
+operands in blocks that run along **its own reduction dimension** — the dimension a
+tensor-core MMA sums over, so one scale per block can be pulled out of each partial sum:
+
+    ==========  =====================  ==========  ===============  ===============
+    GEMM        product                reduces     first operand    second operand
+    ==========  =====================  ==========  ===============  ===============
+    fprop       y  = q(x)  @ q(w).T    K           x along K (-1)   w along K (1)
+    dgrad       dx = q(dy) @ q(w)      N           dy along N (-1)  w along N (0)
+    wgrad       dw = q(dy).T @ q(x)    T           dy along T (0)   x along T (0)
+    ==========  =====================  ==========  ===============  ===============
+
+(``q`` = ``fake_quant(t, fmt, axis=...)``; the axis in brackets is the tensor dimension the
+blocks run along, with x and dy flattened to ``(T, ·)``.)
+
+So ``x`` is quantized twice, differently: in 1x128 tiles along K for fprop and along T for
+wgrad; likewise ``dy`` (along N, then along T). A tile-scaled weight would also differ between
+fprop and dgrad — the transposed tensor has other blocks, other amaxes, so the weight the
+backward pass sees is not the weight the forward pass used (GaussWS §2.1 calls the resulting
+forward/backward mismatch an oscillation risk). A **128x128 block** is the same block from
+either side, so a block-scaled weight is quantized once and the same ``q(w)`` serves fprop and
+dgrad (DeepSeek-V3's choice, which SNIP follows: 1x128 tiles for x and dy, 128x128 blocks for
+w); :attr:`GemmOperands.dgrad_reuses_fprop_w` says when that holds, and then the quantized
+weight is what backward keeps.
+
+Everything else stays high precision: the GEMM's output is in the operands' dtype (BF16 or
+FP32 — on hardware an FP32 accumulator written out in that dtype), the bias and its gradient
+are unquantized, and the weight handed in is the model's parameter, which megatron's optimizer
+keeps an FP32 master copy of. Stochastic-rounding formats (``+sr``, SNIP's FP4 ``dy``) draw
+from torch's default generator, whose state the checkpoint saves.
+
+The backward is *not* autograd of the quantized forward: with straight-through estimators
+autograd would reuse fprop's ``q(w)`` and ``q(x)`` along K, where the hardware GEMMs quantize
+along N and T. Each gradient here is exactly the product its GEMM row above names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.formats import Format, fake_quant
+from megatron_ext.precision.sites import GemmOperands
+
+
+def quantize(t: torch.Tensor, fmt: Format | None, axis: int) -> torch.Tensor:
+    """``fake_quant(t, fmt, axis=axis)``; ``t`` itself for passthrough and for a cast that
+    cannot change ``t`` (to its own dtype, or to FP32 from BF16/FP16)."""
+    if fmt is None:
+        return t
+    cast = getattr(fmt.element, "dtype", None)  # set for the IEEE casts only
+    if cast is not None and torch.promote_types(t.dtype, cast) == cast:
+        return t
+    return fake_quant(t, fmt, axis=axis)
+
+
+class QuantizedGemm(torch.autograd.Function):
+    """``y = x @ w.T + b`` with the operand formats of one site (see the module docstring).
+
+    ``x`` may have leading dims (megatron passes ``[s, b, K]``); ``ops`` is read when the
+    function is applied, so changing a layer's formats between steps needs no rebuild.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                ops: GemmOperands) -> torch.Tensor:
+        w_fprop = quantize(weight, ops.fprop_w, axis=1)
+        output = torch.matmul(quantize(x, ops.fprop_x, axis=-1), w_fprop.t())
+        if bias is not None:
+            output = output + bias
+        ctx.ops, ctx.use_bias = ops, bias is not None
+        ctx.save_for_backward(x, w_fprop if ops.dgrad_reuses_fprop_w else weight)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, w = ctx.saved_tensors
+        ops = ctx.ops
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # w along N = w.T (K, N) along its last dim; .t() of a passthrough w.t() is w
+            w_dgrad = w if ops.dgrad_reuses_fprop_w else quantize(w.t(), ops.dgrad_w, -1).t()
+            grad_input = torch.matmul(quantize(grad_output, ops.dgrad_dy, axis=-1), w_dgrad)
+        dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
+        if ctx.needs_input_grad[1]:
+            # along T: quantize dy.T (N, T) and x.T (K, T) along their last dim, which
+            # fake_quant does without transposing its result back
+            x2 = x.contiguous().view(-1, x.shape[-1])
+            grad_weight = torch.matmul(quantize(dy.t(), ops.wgrad_dy, axis=-1),
+                                       quantize(x2.t(), ops.wgrad_x, axis=-1).t())
+        if ctx.use_bias and ctx.needs_input_grad[2]:
+            grad_bias = dy.sum(dim=0)
+        return grad_input, grad_weight, grad_bias, None
+
+
+def quantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   ops: GemmOperands) -> torch.Tensor:
+    """Apply :class:`QuantizedGemm` (autograd functions take no keywords)."""
+    return QuantizedGemm.apply(x, weight, bias, ops)

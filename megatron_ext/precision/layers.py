@@ -1,0 +1,99 @@
+"""Quantized megatron-core linears: ``ColumnParallelLinear`` / ``RowParallelLinear`` whose local
+GEMM runs through :class:`~megatron_ext.precision.gemm.QuantizedGemm`.
+
+Only megatron's ``_forward_impl`` (the local GEMM with its fused TP communication) is replaced;
+everything around it — weight sharding, init, ``sharded_state_dict``, the column layer's
+output gather and the row layer's all-reduce / reduce-scatter — is megatron's own code. The
+communication that megatron fuses into its GEMM function is done with megatron's mappings, the
+same collectives in the same places:
+
+* TP without sequence parallelism (column layer): ``copy_to_tensor_model_parallel_region`` —
+  identity forward, all-reduce of ``dx`` backward;
+* sequence parallelism (column layer): ``gather_from_sequence_parallel_region`` — all-gather
+  of ``x`` along the sequence forward, reduce-scatter of ``dx`` backward. The quantized
+  function saves the gathered ``x`` for wgrad (megatron saves its shard and gathers again in
+  backward: more memory here, same math).
+
+A site's formats are the mutable attribute ``formats`` (a
+:class:`~megatron_ext.precision.sites.SiteFormats`, passthrough at build), read on every call:
+switching formats between steps rebuilds nothing. With every operand passthrough the call goes
+to megatron's own ``_forward_impl``, so such a site *is* megatron's linear. On a GPU with
+Transformer Engine, a site whose formats TE runs natively goes through TE
+(:mod:`megatron_ext.compat.te`) unless the class was built with ``te_allowed=False``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from megatron_ext.compat import te
+from megatron_ext.precision.gemm import quantized_gemm
+from megatron_ext.precision.sites import SiteFormats, resolve, site_id
+
+
+class QuantizedLinear:
+    """Mixin placed before a megatron linear class; the subclass knows its site."""
+
+    site_id: str = ""
+    """``L{i}.{site}`` of this class (set by :func:`quantized_class`)."""
+    te_allowed: bool = True
+    """Whether natively supported formats may run through Transformer Engine."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.gradient_accumulation_fusion:
+            raise ValueError(f"{self.site_id}: quantized linears do not support "
+                             "gradient_accumulation_fusion (turn it off)")
+        self.formats = SiteFormats()
+
+    def _forward_impl(self, input, weight, **kwargs):
+        ops = resolve(self.formats)
+        if ops.passthrough:
+            return super()._forward_impl(input=input, weight=weight, **kwargs)
+        group = kwargs["tp_group"]
+        if kwargs["allreduce_dgrad"]:
+            input = copy_to_tensor_model_parallel_region(input, group=group)
+        if kwargs["sequence_parallel"]:
+            input = gather_from_sequence_parallel_region(input, True, group=group)
+        recipe = te.device_recipe(self.formats, input) if self.te_allowed else None
+        if recipe is not None:
+            return te.te_linear(self, input, weight, kwargs["bias"], recipe)
+        return quantized_gemm(input, weight, kwargs["bias"], ops)
+
+
+@lru_cache(maxsize=None)
+def quantized_class(base: type, layer: int, site: str, te_allowed: bool = True) -> type:
+    """``base`` (a megatron linear class) with its GEMM quantized, labelled ``L{layer}.{site}``."""
+    name = f"Quantized{base.__name__}"
+    return type(name, (QuantizedLinear, base),
+                {"site_id": site_id(layer, site), "te_allowed": te_allowed,
+                 "__module__": __name__, "__qualname__": name})
+
+
+def quantized_linear_classes(te_allowed: bool = True):
+    """A ``linear_classes`` callback for ``training.model.layer_spec``: every site quantized."""
+    def classes(layer: int, site: str) -> type:
+        base = ColumnParallelLinear if site in ("qkv", "fc1") else RowParallelLinear
+        return quantized_class(base, layer, site, te_allowed)
+
+    return classes
+
+
+def quantized_linears(model) -> dict[str, QuantizedLinear]:
+    """``site id -> module`` for every quantized linear in ``model`` (a module or a list of
+    chunks, DDP-wrapped or not)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    found = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, QuantizedLinear):
+                if module.site_id in found:
+                    raise RuntimeError(f"two linears claim site {module.site_id}")
+                found[module.site_id] = module
+    return found

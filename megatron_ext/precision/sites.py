@@ -1,0 +1,162 @@
+"""Sites, roles and the formats a site's GEMM operands use.
+
+A **site** is one linear layer of a transformer layer: megatron-core fuses Q/K/V and gate/up,
+so a layer has four, ``qkv``, ``proj``, ``fc1``, ``fc2``. Its id carries the *global* 0-based
+layer index, ``L{i}.{site}`` (e.g. ``L3.fc1``), the same on every TP / PP / DP rank.
+
+A site runs three GEMMs, each reading two of its three **roles** — the input activation
+``x``, the weight ``w`` and the output gradient ``dy``:
+
+    fprop   y  = x  @ w.T     reads x, w
+    dgrad   dx = dy @ w       reads dy, w
+    wgrad   dw = dy.T @ x     reads dy, x
+
+:class:`SiteFormats` gives each role one format name (a ``megatron_ext.formats`` name, or
+``"none"``: pass the operand through untouched), used by both GEMMs that read the role, plus
+optional per-GEMM **overrides** keyed ``"<gemm>.<role>"`` (``"wgrad.x": "bf16"``) for methods
+that pick formats per GEMM operand (PGQ). :func:`resolve` turns it into the six operand
+formats the autograd function reads (:class:`GemmOperands`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+
+from megatron_ext.formats import Format, get_format
+
+SITES = ("qkv", "proj", "fc1", "fc2")
+"""The four linear sites of a transformer layer (same order as ``training.model.SITES``)."""
+
+PASSTHROUGH = "none"
+"""Format name meaning "no quantization": the operand enters the GEMM as it is."""
+
+ROLES = ("x", "w", "dy")
+"""Operand roles: input activation, weight, output gradient."""
+
+GEMM_ROLES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}
+"""The two roles each GEMM of a site reads."""
+
+OPERANDS = tuple(f"{gemm}.{role}" for gemm, roles in GEMM_ROLES.items() for role in roles)
+"""The six GEMM operands, the keys of per-GEMM overrides."""
+
+_SITE_ID = re.compile(r"L(0|[1-9]\d*)\.([a-z0-9]+)")
+
+
+def site_id(layer: int, site: str) -> str:
+    """``site_id(3, "fc1") == "L3.fc1"``."""
+    return f"L{layer}.{site}"
+
+
+def parse_site_id(text: str) -> tuple[int, str]:
+    """``"L3.fc1"`` -> ``(3, "fc1")``; ``ValueError`` for anything else."""
+    match = _SITE_ID.fullmatch(text) if isinstance(text, str) else None
+    if match is None or match.group(2) not in SITES:
+        raise ValueError(f"bad site id {text!r}: expected L<layer>.<{'|'.join(SITES)}>")
+    return int(match.group(1)), match.group(2)
+
+
+def normalize_format(name: str) -> str:
+    """The registry's spelling of a format name (``"none"`` stays); ``ValueError`` if unknown."""
+    if not isinstance(name, str):
+        raise ValueError(f"a format must be a name string, got {name!r}")
+    if name.strip().lower() == PASSTHROUGH:
+        return PASSTHROUGH
+    try:
+        return str(get_format(name))
+    except ValueError:
+        raise ValueError(f"unknown format {name!r} (see megatron_ext.formats.available())") \
+            from None
+
+
+@dataclass(frozen=True)
+class SiteFormats:
+    """The formats of one site's GEMM operands (names are normalized on construction)."""
+
+    x: str = PASSTHROUGH
+    """Format of the input activation in fprop and wgrad."""
+    w: str = PASSTHROUGH
+    """Format of the weight in fprop and dgrad."""
+    dy: str = PASSTHROUGH
+    """Format of the output gradient in dgrad and wgrad."""
+    overrides: tuple[tuple[str, str], ...] = field(default=())
+    """Sorted ``(operand, format)`` pairs, operand in :data:`OPERANDS`, that replace the role's
+    format in that one GEMM (``("wgrad.x", "bf16")``)."""
+
+    def __post_init__(self):
+        for role in ROLES:
+            object.__setattr__(self, role, normalize_format(getattr(self, role)))
+        pairs = dict(self.overrides)
+        unknown = sorted(set(pairs) - set(OPERANDS))
+        if unknown or len(pairs) != len(self.overrides):
+            raise ValueError(f"bad override operand(s) {unknown or 'repeated'}; "
+                             f"use {', '.join(OPERANDS)}")
+        normalized = tuple(sorted((k, normalize_format(v)) for k, v in pairs.items()))
+        object.__setattr__(self, "overrides", normalized)
+
+    def operand(self, gemm: str, role: str) -> str:
+        """The format ``gemm`` reads ``role`` in: its override, else the role's format."""
+        return dict(self.overrides).get(f"{gemm}.{role}", getattr(self, role))
+
+    def to_dict(self) -> dict:
+        out = {role: getattr(self, role) for role in ROLES}
+        if self.overrides:
+            out["overrides"] = dict(self.overrides)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SiteFormats":
+        """Inverse of :meth:`to_dict`: ``x``, ``w``, ``dy`` required, ``overrides`` optional."""
+        if not isinstance(data, dict):
+            raise ValueError(f"expected an object with keys {', '.join(ROLES)}, got {data!r}")
+        missing = [role for role in ROLES if role not in data]
+        extra = sorted(set(data) - {*ROLES, "overrides"})
+        if missing or extra:
+            raise ValueError(f"needs keys {', '.join(ROLES)} (+ optional overrides); "
+                             f"missing {missing}, unknown {extra}")
+        overrides = data.get("overrides", {})
+        if not isinstance(overrides, dict):
+            raise ValueError(f"overrides must be an object, got {overrides!r}")
+        return cls(*(data[role] for role in ROLES), overrides=tuple(overrides.items()))
+
+
+@dataclass(frozen=True)
+class GemmOperands:
+    """The resolved format of each GEMM operand of a site; ``None`` = passthrough."""
+
+    fprop_x: Format | None
+    """x in ``y = x @ w.T``, blocks along K (the hidden dim of x)."""
+    fprop_w: Format | None
+    """w in ``y = x @ w.T``, blocks along K (dim 1 of w)."""
+    dgrad_dy: Format | None
+    """dy in ``dx = dy @ w``, blocks along N (the output dim)."""
+    dgrad_w: Format | None
+    """w in ``dx = dy @ w``, blocks along N (dim 0 of w)."""
+    wgrad_dy: Format | None
+    """dy in ``dw = dy.T @ x``, blocks along the token dim T."""
+    wgrad_x: Format | None
+    """x in ``dw = dy.T @ x``, blocks along the token dim T."""
+
+    @property
+    def passthrough(self) -> bool:
+        """No operand is quantized: the site is plain megatron."""
+        return all(getattr(self, f.name) is None for f in fields(self))
+
+    @property
+    def dgrad_reuses_fprop_w(self) -> bool:
+        """dgrad's w equals fprop's w transposed: same format, deterministic, and blocks that
+        do not care about the axis (square blocks, per tensor, casts) — 128x128 weights."""
+        fmt = self.fprop_w
+        return fmt == self.dgrad_w and (fmt is None or (
+            not fmt.stochastic and fmt.scaling.rows == fmt.scaling.cols))
+
+
+@lru_cache(maxsize=None)
+def resolve(formats: SiteFormats) -> GemmOperands:
+    """The six operand formats of ``formats`` (cached: called on every GEMM)."""
+    def fmt(gemm: str, role: str) -> Format | None:
+        name = formats.operand(gemm, role)
+        return None if name == PASSTHROUGH else get_format(name)
+
+    return GemmOperands(*(fmt(*op.split(".")) for op in OPERANDS))
