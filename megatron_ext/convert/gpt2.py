@@ -1,5 +1,8 @@
 """``GPT2LMHeadModel`` <-> megatron_ext's gpt family (LayerNorm, GeLU, learned positions, biases).
 
+GPT-2's default ``gelu_new`` (and ``gelu_pytorch_tanh`` / ``gelu_fast``) is GeLU's tanh
+approximation: ``--openai-gelu``; ``gelu`` is the exact GeLU.
+
 GPT-2's linear layers are ``Conv1D`` modules whose weights are stored transposed
 (``[in, out]``), and ``c_attn`` packs the projections as ``[q; k; v]``; megatron wants
 ``[out, in]`` and QKV rows grouped per head.
@@ -26,17 +29,15 @@ from megatron_ext.convert.transforms import TRANSPOSE, compose, packed_qkv, pad_
 from megatron_ext.training.presets import ModelArch
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-"""Approximate GeLUs: the weights convert exactly, but megatron_ext computes the exact GeLU."""
+"""GeLU's tanh approximation, under Hugging Face's names: megatron_ext's ``--openai-gelu``."""
 
 
-def _activation_warnings(config: dict) -> list[str]:
+def _openai_gelu(config: dict) -> bool:
+    """Whether ``activation_function`` (default ``gelu_new``) is the tanh approximation."""
     activation = config.get("activation_function", "gelu_new")
-    if activation == "gelu":
-        return []
-    require(activation in TANH_GELUS, f"activation_function '{activation}' is not supported")
-    return [(f"activation_function '{activation}' is a tanh approximation of GeLU; "
-             "megatron_ext computes the exact GeLU, so logits differ slightly (run verify to "
-             "see by how much)")]
+    require(activation == "gelu" or activation in TANH_GELUS,
+            f"activation_function '{activation}' is not supported")
+    return activation in TANH_GELUS
 
 
 def read_config(config: dict) -> tuple[ModelArch, list[str]]:
@@ -60,16 +61,18 @@ def read_config(config: dict) -> tuple[ModelArch, list[str]]:
         normalization="LayerNorm",
         norm_epsilon=config_value(config, "layer_norm_epsilon", 1e-5),
         swiglu=False,
+        openai_gelu=_openai_gelu(config),
         add_bias_linear=True,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
         vocab_size=config_value(config, "vocab_size"),
     )
-    return arch, _activation_warnings(config)
+    return arch, []
 
 
 def write_config(arch: ModelArch) -> dict:
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu",
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "activation_function": "gelu_new" if arch.openai_gelu else "gelu",
         "n_embd": arch.hidden_size, "n_layer": arch.num_layers,
         "n_head": arch.num_attention_heads, "n_inner": arch.ffn_hidden_size,
         "n_positions": arch.max_position_embeddings, "layer_norm_epsilon": arch.norm_epsilon,

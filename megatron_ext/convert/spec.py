@@ -138,7 +138,11 @@ def spec_from_run_args(run_args: dict) -> ModelSpec:
     args.json does not record the tokenizer's vocabulary size, so the export keeps every padded
     row (``vocab_size`` = the padded size)."""
     padded = run_args["padded_vocab_size"]
-    fields = {**{f: run_args[f] for f in ARCH_FIELDS}, "vocab_size": padded}
+    # args.json of runs from before a flag existed lacks it: the default is what they ran with
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelArch)
+                if f.default is not dataclasses.MISSING}
+    fields = {**{f: run_args[f] if f in run_args else defaults[f] for f in ARCH_FIELDS},
+              "vocab_size": padded}
     arch = ModelArch(family=run_args["family"], **fields)
     _check_expressible(arch)
     dtype = "bfloat16" if run_args.get("bf16") else "float32"

@@ -28,9 +28,17 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{name}", type=int, default=None)
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None)
     g.add_argument("--rotary-base", type=float, default=None, help="RoPE theta")
+    g.add_argument("--use-rope-scaling", action=argparse.BooleanOptionalAction, default=None,
+                   help="Llama 3.x RoPE frequency scaling (megatron-core's: low / high frequency "
+                        "factors 1 / 4, original context 8192); default off")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="Llama 3.x RoPE scaling factor (with --use-rope-scaling); default 8.0")
     g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None)
     g.add_argument("--norm-epsilon", type=float, default=None)
     g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--openai-gelu", action=argparse.BooleanOptionalAction, default=None,
+                   help="GeLU's tanh approximation (OpenAI GPT-2's gelu_new) instead of the "
+                        "exact GeLU; default off")
     g.add_argument("--add-bias-linear", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--untie-embeddings-and-output-weights",
                    action=argparse.BooleanOptionalAction, default=None)
@@ -166,6 +174,15 @@ def _check(cond: bool, message: str) -> None:
         raise UsageError(message)
 
 
+def _validate_rope_and_activation(args: argparse.Namespace) -> None:
+    """--use-rope-scaling needs RoPE and a positive factor; --openai-gelu needs a GeLU MLP."""
+    _check(not args.use_rope_scaling or args.position_embedding_type == "rope",
+           "--use-rope-scaling needs --position-embedding-type rope")
+    _check(args.rope_scaling_factor > 0, "--rope-scaling-factor must be positive")
+    _check(not (args.openai_gelu and args.swiglu),
+           "--openai-gelu selects the GeLU of a GeLU MLP; --swiglu uses SiLU (pass --no-swiglu)")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Every layout / range check, each with its own one-line message."""
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -206,6 +223,7 @@ def validate_args(args: argparse.Namespace) -> None:
                "--num-layers-per-virtual-pipeline-stage needs PP > 1 and must divide "
                f"the {per_stage} layers of each stage")
         args.virtual_pipeline_model_parallel_size = per_stage // vp_layers
+    _validate_rope_and_activation(args)
     _check(not args.sequence_parallel or tp > 1, "--sequence-parallel needs TP > 1")
     _check(not args.sequence_parallel or args.seq_length % tp == 0,
            f"--sequence-parallel needs TP={tp} to divide --seq-length {args.seq_length}")

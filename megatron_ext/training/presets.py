@@ -30,12 +30,20 @@ class ModelArch:
     """``"rope"`` or ``"learned_absolute"`` (``--position-embedding-type``)."""
     rotary_base: float = 10000.0
     """RoPE theta (``--rotary-base``)."""
+    use_rope_scaling: bool = False
+    """Llama 3.x RoPE frequency scaling (``--use-rope-scaling``; megatron-core's fixed low / high
+    frequency factors 1 / 4 and original context 8192)."""
+    rope_scaling_factor: float = 8.0
+    """Llama 3.x RoPE scaling factor (``--rope-scaling-factor``); used with ``use_rope_scaling``."""
     normalization: str = "RMSNorm"
     """``"RMSNorm"`` or ``"LayerNorm"`` (``--normalization``)."""
     norm_epsilon: float = 1e-5
     """Epsilon of the norm layers (``--norm-epsilon``)."""
     swiglu: bool = True
     """Gated SiLU MLP (Llama) instead of GeLU (GPT)."""
+    openai_gelu: bool = False
+    """GeLU's tanh approximation (``--openai-gelu``; Hugging Face GPT-2's ``gelu_new``) instead of
+    the exact GeLU; GeLU MLPs only."""
     add_bias_linear: bool = False
     """Biases in the linear layers (GPT: yes, Llama: no)."""
     untie_embeddings_and_output_weights: bool = True

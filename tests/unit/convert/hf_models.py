@@ -16,6 +16,11 @@ from safetensors import safe_open
 
 from megatron_ext.convert.cli import main
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+"""Llama 3.1's rope scaling (its config.json values)."""
+
 # vocab 300 pads to 384: also the padded size of the byte tokenizer pretrain uses with
 # --mock-data (257 -> 384), so the converted models load into pretrain_*.py as they are.
 MODELS = {
@@ -30,6 +35,16 @@ MODELS = {
     "gpt2-tied": ("gpt2", {
         "vocab_size": 300, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 64,
         "activation_function": "gelu"}),
+    # GPT-2's default tanh GeLU -> --openai-gelu
+    "gpt2-gelu-new": ("gpt2", {
+        "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+        "activation_function": "gelu_new"}),
+    # Llama 3.1 rope scaling (megatron-core's fixed low/high factors and original context);
+    # with theta 5e5 and head_dim 16, 4 of the 8 frequencies are scaled
+    "llama3-rope-scaling": ("llama", {
+        "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False, "rope_parameters": LLAMA3_ROPE}),
 }
 
 

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from unit.convert.hf_models import convert, save_hf_model
+from unit.convert.hf_models import LLAMA3_ROPE, convert, save_hf_model
 
 from megatron_ext.convert.hf_files import INDEX_FILE
 
@@ -32,8 +32,9 @@ HF_CASES = {
                       "has no tensor 'model.layers.4.input_layernorm.weight'"),
     "layer left over": (lambda d: _edit_config(d, num_hidden_layers=3), [],
                         "unexpected tensor 'model.layers.3."),
-    "llama3 rope scaling": (lambda d: _edit_config(d, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), [], "'llama3'"),
+    "llama3 rope scaling megatron-core cannot compute": (lambda d: _edit_config(
+        d, rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 32}), [],
+        "'llama3' with original_max_position_embeddings 32 (megatron-core: 8192)"),
     "no weights": (lambda d: [p.unlink() for p in d.glob("*.safetensors*")], [],
                    "no model.safetensors or model.safetensors.index.json"),
 }

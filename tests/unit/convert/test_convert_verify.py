@@ -1,9 +1,14 @@
 """The converted model in megatron_ext computes Hugging Face's logits (FP32, TP = PP = 1).
 
+Llama 3.1 rope scaling and GPT-2's tanh GeLU are exact too, and both matter: the same weights
+under plain RoPE / the exact GeLU give other logits.
+
 TP = 2 x PP = 2 is in tests/distributed/test_convert_parallel.py.
 """
 
+import json
 import re
+import shutil
 
 import pytest
 from unit.convert.hf_models import MODELS, convert, save_hf_model
@@ -30,3 +35,21 @@ def test_verify_fails_for_other_weights(converted, capsys, tmp_path):
     other = save_hf_model("llama-gqa-untied", tmp_path / "other", seed=1)
     status, diff = verified_difference(capsys, "--hf-dir", other, "--load", megatron)
     assert status == 1 and diff > 1e-2
+
+
+def test_llama3_rope_scaling_changes_the_logits(converted, capsys, tmp_path):
+    _, megatron = converted("llama3-rope-scaling")
+    plain = save_hf_model("llama3-rope-scaling", tmp_path / "plain", rope_parameters={
+        "rope_type": "default", "rope_theta": 500000.0})  # same seed: the same weights
+    status, diff = verified_difference(capsys, "--hf-dir", plain, "--load", megatron)
+    assert status == 1 and diff > 1e-4
+
+
+def test_gpt2_tanh_gelu_changes_the_logits(converted, capsys, tmp_path):
+    hf, megatron = converted("gpt2-gelu-new")
+    exact = shutil.copytree(hf, tmp_path / "exact")
+    config = json.loads((exact / "config.json").read_text())
+    (exact / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
+    status, diff = verified_difference(capsys, "--hf-dir", exact, "--load", megatron,
+                                       "--atol", "1e-5")
+    assert status == 1 and diff > 1e-5

@@ -49,6 +49,11 @@ CASES = {
     "missing load dir": (["--load", "/nonexistent/ckpt"], 1, "does not exist"),
     "vp needs pp": (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs PP > 1"),
     "sequence parallel needs tp": (["--sequence-parallel"], 1, "--sequence-parallel needs TP"),
+    "rope scaling without rope": (["--use-rope-scaling", "--position-embedding-type",
+                                   "learned_absolute"], 1, "--use-rope-scaling needs"),
+    "rope scaling factor": (["--use-rope-scaling", "--rope-scaling-factor", "0"], 1,
+                            "--rope-scaling-factor must be positive"),
+    "openai gelu with swiglu": (["--openai-gelu"], 1, "--openai-gelu selects the GeLU"),
 }
 
 
