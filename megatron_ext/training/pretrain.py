@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_ext.training import dry_run
 from megatron_ext.training import extensions as ext
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.distributed import resolve_launch
@@ -81,14 +82,19 @@ def _announce(family: str, args, run: TrainingRun) -> None:
 
 
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
-    """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState."""
+    """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState (with
+    ``--dry-run``: the DryRunReport, and nothing is started)."""
     from megatron_ext.training.loop import train
     from megatron_ext.training.metrics import MetricsLogger
 
-    args = parse_args(family, argv, ext.args_provider(list(extensions)))
+    provider = dry_run.args_provider(ext.args_provider(list(extensions)))
+    simulated = dry_run.request(family, argv, provider)
+    args = parse_args(family, argv, provider, simulated and simulated.world_size)
     for extension in extensions:
         if extension.validate is not None:
             extension.validate(args)
+    if simulated:
+        return dry_run.run(args, simulated)
     run = setup(args, list(extensions))
     logger = None
     if dist.get_rank() == 0:

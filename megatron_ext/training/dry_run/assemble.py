@@ -1,0 +1,137 @@
+"""Put a dry run together: vocabulary, stages on meta, estimates, the plan, SNIP's ILP."""
+
+from __future__ import annotations
+
+from megatron_ext.precision.cost import ModelShape, flop_report
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.training.dry_run import estimates as est
+from megatron_ext.training.dry_run.meta import StageParams, build_stages
+from megatron_ext.training.dry_run.report import DryRunReport, StageReport
+from megatron_ext.training.dry_run.snip import plan_from_choice, snip_sizes, solve_for_shape
+from megatron_ext.training.errors import UsageError
+
+
+def unpadded_vocab(args) -> int:
+    """The vocabulary the job would use, without building its data (``training/data.py``)."""
+    from megatron_ext.data.corpus import DEFAULT_VOCAB_SIZE
+    from megatron_ext.data.tokenizer import ByteTokenizer, build_tokenizer
+
+    if args.data_path and args.tokenizer_model is None:
+        raise UsageError("--data-path needs --tokenizer-model (the tokenizer.json, or 'byte', "
+                         "the data was preprocessed with)")
+    if args.vocab_size is not None:
+        return args.vocab_size
+    if args.tokenizer_model is None:
+        return ByteTokenizer().vocab_size if args.mock_data else DEFAULT_VOCAB_SIZE
+    try:
+        return build_tokenizer(args.tokenizer_model).vocab_size
+    except (FileNotFoundError, ValueError) as exc:
+        raise UsageError(str(exc).splitlines()[0]) from None
+
+
+def current_plan(args, choice: dict[str, str], budget: float):
+    """The plan the times assume: None without precision flags; for ``--precision snip`` the
+    ILP's plan; for a policy that needs training to decide (SNIP's baselines) the ILP's plan
+    at the same budget stands in; else the flags' plan."""
+    from megatron_ext.precision.plan import load_plan
+    from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec
+
+    spec = getattr(args, "precision", None)
+    if not (spec or getattr(args, "precision_plan", None)):
+        return None
+    if spec and spec.partition(":")[0] == "snip":
+        return plan_from_choice(choice, budget)
+    try:
+        plan = plan_from_spec(spec, args.num_layers) if spec else load_plan(args.precision_plan)
+    except ValueError:  # validated by its extension, so a policy only a training run can run
+        return plan_from_choice(choice, budget).replace(
+            method=f"{spec}: stood in for by the SNIP ILP plan at budget {budget:g}")
+    return keep_layers_bf16(plan, args.keep_first_last_layers_bf16, args.num_layers)
+
+
+def _check_impl(args) -> None:
+    """What ``model.resolve_transformer_impl`` would refuse on the GPU job."""
+    per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
+    if args.transformer_impl == "transformer_engine" and per_layer:
+        raise UsageError("--transformer-impl transformer_engine uses TE's fused layers; "
+                         "per-layer precision needs --transformer-impl local")
+
+
+def _stage(args, p: StageParams, layout, shape, vocab, formats_of, fp4) -> StageReport:
+    w, g, o = est.model_state_bytes(p.per_gpu, layout)
+    act = est.activation_bytes(p.stage, len(p.layers), args.hidden_size,
+                               args.num_attention_heads, vocab, layout)
+    seconds = est.stage_seconds(formats_of, shape, p.layers, vocab, p.post_process, layout,
+                                args.dry_run_bf16_tflops * 1e12)
+    flops = est.linear_flops(shape, p.layers, args.global_batch_size * args.seq_length)
+    return StageReport(p, 4 * len(p.layers), flops, fp4, est.Memory(w, g, o, act),
+                       est.in_flight(p.stage, layout), seconds)
+
+
+def _header(args, layout) -> str:
+    optimizer = "distributed optimizer" if layout.distributed_optimizer else "optimizer per DP"
+    return (f"dry run: {args.family} '{args.model}' | {args.world_size} GPUs = TP {layout.tp} x "
+            f"PP {layout.pp} x DP {layout.dp}" + (f" (VP {layout.vp})" if layout.vp > 1 else "")
+            + f" | micro-batch {layout.micro_batch} x {layout.micro_batches} per DP rank = "
+            f"global batch {args.global_batch_size}, seq {layout.seq} | "
+            f"{'BF16' if layout.bf16 else 'FP32'} params, {optimizer}"
+            + (", SP" if layout.sequence_parallel else ""))
+
+
+def assemble(args, req) -> DryRunReport:
+    """Every number of the report (see the package docstring)."""
+    from megatron_ext.training import model
+
+    _check_impl(args)
+    padded = model.padded_vocab_size(unpadded_vocab(args), args)
+    layout, shape = est.Layout.from_args(args), ModelShape.from_args(args)
+    stages = build_stages(args, padded)
+    ilp, choice = solve_for_shape(args, padded)
+    plan = current_plan(args, choice, ilp.budget)
+    formats_of = plan.formats if plan is not None else (lambda sid: SiteFormats())
+    fp4 = [f["fp4"] for f in flop_report(formats_of, shape).stage_fractions]
+    reports = [_stage(args, p, layout, shape, padded, formats_of, fp4[p.stage]) for p in stages]
+    step = est.step_time([r.seconds for r in reports], layout)
+    total = sum(p.distinct - p.shared for p in stages)
+    return DryRunReport(
+        _header(args, layout), total, reports,
+        plan.method if plan is not None else "none: BF16 GEMMs", est.bubble_fraction(layout),
+        step, args.global_batch_size * args.seq_length / step,
+        args.dry_run_gpu_memory_gib * est.GIB, snip_sizes(args), ilp,
+        _notes(args, req, layout, padded))
+
+
+def _activation_formula(layout) -> str:
+    scores = "" if layout.flash_attention else " + 5·a·s/h"
+    if layout.tp == 1 or layout.sequence_parallel:
+        return f"s·b·h·(34{scores})" + ("/t" if layout.tp > 1 else "")
+    return "s·b·h·(10 + 24/t" + ("" if layout.flash_attention else " + 5·a·s/(h·t)") + ")"
+
+
+def _notes(args, req, layout, vocab: int) -> list[str]:
+    """Assumptions behind the numbers, one line each (formulas: ``estimates.py``)."""
+    per_layer = est.layer_activation_bytes(args.hidden_size, args.num_attention_heads, layout)
+    zero = f" / DP {layout.dp}" if layout.distributed_optimizer or layout.fsdp else ""
+    attention = ("fused attention keeps no s x s scores" if layout.flash_attention else
+                 "the s x s scores kept by megatron-core's local attention (5·a·s/h) included")
+    out = [
+        f"simulated {args.world_size} ranks in one process (torch fake process group); "
+        f"parameters from the real megatron-core modules on the meta device; vocabulary "
+        f"{vocab} after padding",
+        f"memory per GPU: weights {2 if layout.bf16 else 4} B/param, grads 4 B/param (FP32 "
+        f"buffer), Adam m, v{' + FP32 main params' if layout.bf16 else ''} "
+        f"{12 if layout.bf16 else 8} B/param{zero}"
+        + (" (FSDP: all three / DP)" if layout.fsdp else "")
+        + "; STQuant has no flag yet: optimizer state counted in FP32",
+        f"activations (Korthikanti et al. 2022, Table 2): {_activation_formula(layout)} bytes = "
+        f"{per_layer / est.GIB:.2f} GiB per layer per micro-batch, {attention}; 'mb' = "
+        f"micro-batches held at the {'interleaved ' if layout.vp > 1 else ''}1F1B peak; the "
+        f"last stage adds FP32 logits 4·s·b·v/t",
+        f"time: 't/mb' = forward + backward of one micro-batch on one GPU at "
+        f"{args.dry_run_bf16_tflops:g} TFLOP/s BF16 (FP8 2x, FP4 4x), attention core "
+        f"6·b·s²·h per layer, output layer 6·s·b·v·h, no communication: a lower bound; "
+        f"step = (v·m + p - 1)·max(t/mb)/v, bubble (p - 1)/(v·m + p - 1)",
+    ]
+    if req.bf16 is None:
+        out.append("--bf16 not given: on, the GPU job's default")
+    return out

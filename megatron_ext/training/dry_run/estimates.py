@@ -1,0 +1,210 @@
+"""Back-of-the-envelope numbers for one GPU of a pipeline stage: memory, time, bubble.
+
+Every number is an *estimate* from closed forms, meant to catch a layout that cannot fit or
+a stage that is far slower than the others before 64 GPUs are queued; none is measured.
+
+Memory of the model state, per GPU
+----------------------------------
+``P`` is the number of parameters one GPU holds (its TP shard of its pipeline stage), ``D``
+the data-parallel size. With megatron-core's DDP and optimizer as this project configures
+them (``megatron_ext/training/optimizer.py``: ``grad_reduce_in_fp32=True``, Adam)::
+
+    weights     P · w           w = 2 bytes (BF16 params) or 4 (FP32 params, --no-bf16)
+    gradients   P · 4           the DDP gradient buffer is FP32
+    optimizer   P · (8 + c)/Z   Adam's m and v in FP32 (8 bytes) plus, for BF16 params, the
+                                FP32 main copy (c = 4; c = 0 for FP32 params)
+
+``Z = D`` with ``--use-distributed-optimizer`` (ZeRO-1: the optimizer state is sharded over
+the DP group), else 1 — Megatron-LM's "18 bytes per parameter, 6 + 12/D with the distributed
+optimizer". With FSDP (``--use-torch-fsdp2`` / ``--use-megatron-fsdp``, which this project
+runs with the "optim_grads_params" strategy) all three lines are divided by ``D``.
+STQuant (low-bit optimizer states) has no flag yet, so the optimizer line assumes FP32 states.
+
+Activations, per layer and micro-batch
+--------------------------------------
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198), §4 and Table 2, with 16-bit activations; ``s`` sequence length, ``b``
+micro-batch, ``h`` hidden size, ``a`` attention heads, ``t`` TP size, in bytes::
+
+    no TP           s·b·h · (34 + 5·a·s/h)
+    TP              s·b·h · (10 + 24/t + 5·a·s/(h·t))
+    TP + SP         s·b·h · (34 + 5·a·s/h) / t
+
+``5·a·s/h`` is the attention core's ``s × s`` scores (softmax output, dropout mask, ...).
+megatron-core's local ``DotProductAttention`` stores them; Transformer Engine's fused (flash)
+attention does not, so the term is dropped for ``--transformer-impl transformer_engine``.
+The 34 is derived for a GPT-3 layer (4h GeLU MLP, multi-head attention, dropout masks); for
+Llama (SwiGLU, GQA, no dropout) it is an approximation. The last stage also keeps the FP32
+logits for the loss, ``4·s·b·v/t`` bytes (Korthikanti §4.3; ``v`` the padded vocabulary).
+
+How many micro-batches a stage holds (megatron-core ``pipeline_parallel/schedules.py``):
+stage ``k`` of ``p`` runs ``p − k − 1`` warm-up forwards before its first backward, so it
+holds ``min(p − k, m)`` micro-batches of its layers (``m`` micro-batches per step); with
+``v`` virtual stages (interleaved 1F1B) it runs ``2·(p − k − 1) + (v − 1)·p`` warm-up
+forwards of one chunk (``L/(p·v)`` layers) each and holds ``min(that + 1, m·v)`` of them.
+
+Time
+----
+FLOPs of a GEMM are ``2·T·N·K``; a linear site runs three (fprop, dgrad, wgrad) at the rate
+of its class in the precision plan (``megatron_ext/precision/cost.py``: BF16 ``R``, FP8
+``2R``, FP4 ``4R``). Per micro-batch (``T = s·b`` tokens) one GPU of stage ``k`` spends::
+
+    t_k = [ Σ_sites Σ_gemms 2·T·N·K / speed(class)  +  L_k · 6·b·s²·h  +  [last] 6·T·v·h ] / (t·R)
+
+the middle term being the attention core (QKᵀ and PV, causal half, forward and backward,
+BF16) and the last the output layer. Peak rate, no communication, no kernel overheads: a
+lower bound. The pipeline (Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", arXiv:2104.04473, §2.2) takes::
+
+    1F1B          step = (m + p − 1) · max_k t_k         bubble = (p − 1) / (m + p − 1)
+    interleaved   step = (v·m + p − 1) · max_k t_k / v   bubble = (p − 1) / (v·m + p − 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ext.precision.cost import SPEED, ModelShape, gemm_class
+from megatron_ext.precision.sites import GEMM_ROLES, SITES, site_id
+
+GIB = 2.0**30
+"""Bytes in a GiB."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout and step shape the estimates need (from the parsed flags)."""
+
+    tp: int
+    """Tensor-parallel size ``t``."""
+    pp: int
+    """Pipeline stages ``p``."""
+    dp: int
+    """Data-parallel size ``D``."""
+    vp: int
+    """Virtual stages per pipeline stage ``v`` (1 without interleaving)."""
+    micro_batches: int
+    """Micro-batches per step per DP replica ``m``."""
+    micro_batch: int
+    """Sequences per micro-batch ``b``."""
+    seq: int
+    """Sequence length ``s``."""
+    sequence_parallel: bool
+    """``--sequence-parallel``."""
+    bf16: bool
+    """BF16 parameters (else FP32)."""
+    distributed_optimizer: bool
+    """``--use-distributed-optimizer``: optimizer state sharded over DP."""
+    fsdp: bool
+    """``--use-torch-fsdp2`` / ``--use-megatron-fsdp``: weights, grads, state sharded over DP."""
+    flash_attention: bool
+    """No ``s × s`` scores stored (Transformer Engine's fused attention)."""
+
+    @classmethod
+    def from_args(cls, args) -> "Layout":
+        return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                   args.data_parallel, args.virtual_pipeline_model_parallel_size or 1,
+                   args.num_microbatches, args.micro_batch_size, args.seq_length,
+                   bool(args.sequence_parallel), bool(args.bf16),
+                   bool(args.use_distributed_optimizer),
+                   bool(args.use_torch_fsdp2 or args.use_megatron_fsdp),
+                   args.transformer_impl == "transformer_engine")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Estimated memory of one GPU, in bytes (module docstring for the formulas)."""
+
+    weights: float
+    """Parameters in their training dtype."""
+    grads: float
+    """The FP32 gradient buffer."""
+    optimizer: float
+    """Adam m, v and the FP32 main parameters (sharded by the distributed optimizer)."""
+    activations: float
+    """Activations kept for backward at the schedule's peak, plus the last stage's logits."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def model_state_bytes(params: int, layout: Layout) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of a GPU holding ``params`` parameters."""
+    weights = params * (2 if layout.bf16 else 4)
+    grads = params * 4.0
+    optimizer = params * (8 + (4 if layout.bf16 else 0))
+    if layout.distributed_optimizer or layout.fsdp:
+        optimizer /= layout.dp
+    if layout.fsdp:
+        weights, grads = weights / layout.dp, grads / layout.dp
+    return float(weights), grads, float(optimizer)
+
+
+def layer_activation_bytes(hidden: int, heads: int, layout: Layout) -> float:
+    """Korthikanti et al. 2022, Table 2: bytes one layer keeps for one micro-batch on one GPU."""
+    s, b, h, a, t = layout.seq, layout.micro_batch, hidden, heads, layout.tp
+    scores = 0.0 if layout.flash_attention else 5.0 * a * s / h
+    if t == 1 or layout.sequence_parallel:
+        return s * b * h * (34.0 + scores) / t
+    return s * b * h * (10.0 + 24.0 / t + scores / t)
+
+
+def in_flight(stage: int, layout: Layout) -> int:
+    """Chunk-micro-batches stage ``stage`` holds at the schedule's peak (module docstring)."""
+    p, m, v = layout.pp, layout.micro_batches, layout.vp
+    if v == 1:
+        return min(p - stage, m)
+    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+
+
+def activation_bytes(stage: int, layers: int, hidden: int, heads: int, vocab: int,
+                     layout: Layout) -> float:
+    """Peak activation bytes of one GPU of ``stage`` holding ``layers`` layers."""
+    per_chunk = layers // layout.vp
+    total = in_flight(stage, layout) * per_chunk * layer_activation_bytes(hidden, heads, layout)
+    if stage == layout.pp - 1:
+        total += 4.0 * layout.seq * layout.micro_batch * vocab / layout.tp
+    return total
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """Idle share of a step: (p − 1) / (v·m + p − 1) (Narayanan et al. 2021, §2.2)."""
+    p = layout.pp
+    return (p - 1) / (layout.vp * layout.micro_batches + p - 1)
+
+
+def step_time(stage_times: list[float], layout: Layout) -> float:
+    """Seconds per step from per-micro-batch stage times: (v·m + p − 1) · max t_k / v."""
+    v = layout.vp
+    return (v * layout.micro_batches + layout.pp - 1) * max(stage_times) / v
+
+
+def linear_flops(shape: ModelShape, layers, tokens: int) -> float:
+    """FLOPs of the linear sites of ``layers`` for ``tokens`` tokens: Σ 3 · 2·T·N·K."""
+    per_layer = sum(6.0 * tokens * n * k for n, k in map(shape.site_nk, SITES))
+    return per_layer * len(layers)
+
+
+def _linear_bf16_equivalent_flops(formats_of, shape: ModelShape, layers, tokens: int) -> float:
+    """Σ 2·T·N·K / speed(class) over the GEMMs of ``layers``, in BF16-FLOP units."""
+    total = 0.0
+    for layer in layers:
+        for site in SITES:
+            n, k = shape.site_nk(site)
+            formats = formats_of(site_id(layer, site))
+            for gemm, (a, b) in GEMM_ROLES.items():
+                cls = gemm_class(formats.operand(gemm, a), formats.operand(gemm, b))
+                total += 2.0 * tokens * n * k / SPEED[cls]
+    return total
+
+
+def stage_seconds(formats_of, shape: ModelShape, layers, vocab: int, last: bool,
+                  layout: Layout, bf16_flops: float) -> float:
+    """t_k: one micro-batch's forward and backward on one GPU of a stage (module docstring)."""
+    b, s, h = layout.micro_batch, layout.seq, shape.hidden_size
+    work = _linear_bf16_equivalent_flops(formats_of, shape, layers, s * b)
+    work += len(layers) * 6.0 * b * s * s * h
+    if last:
+        work += 6.0 * s * b * vocab * h
+    return work / (layout.tp * bf16_flops)
