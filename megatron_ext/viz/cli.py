@@ -1,0 +1,215 @@
+"""Command line of ``tools/plot_precision.py`` (also ``python -m megatron_ext.viz.cli``)::
+
+    plot_precision.py plan PLAN.json --out plan.png [--num-layers N]
+    plot_precision.py stages PLAN.json --pipeline-model-parallel-size P --out stages.png
+                      [--model tiny] [--family llama|gpt] [--num-layers N]
+                      [--num-layers-per-virtual-pipeline-stage V]
+    plot_precision.py evolution RUN_DIR_OR_PLAN... --out evo.png [--color-by fp4-roles|format]
+    plot_precision.py divergence DIVERGENCE.json --out div.png [--option NAME] [--metric dL]
+    plot_precision.py loss RUN_DIR... --out loss.png [--labels a,b] [--smooth N]
+
+Bad input: one ``error:`` line on stderr, exit status 2, no output file. Parsing only: the
+readers are :mod:`megatron_ext.viz.inputs`, the figures :mod:`megatron_ext.viz.plots`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from megatron_ext.training.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ``error:`` line (raised, so ``main`` returns 2)."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _subparser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_text, description=help_text)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="PNG",
+                        help="PNG file to write (atomically: temporary file + rename)")
+    parser.add_argument("--dpi", type=_positive_int, default=100,
+                        help="resolution, dots per inch (default 100)")
+
+
+def _add_plan(sub) -> None:
+    p = _subparser(sub, "plan", "heatmap of a plan: layer x site / role, colour = format")
+    p.add_argument("plan", metavar="PLAN.json", help="a PrecisionPlan file")
+    p.add_argument("--num-layers", type=_positive_int, metavar="N",
+                   help="rows (default: the plan's highest layer + 1)")
+    _common(p)
+
+
+def _add_stages(sub) -> None:
+    p = _subparser(sub, "stages", "FP4 / FP8 / BF16 FLOP fractions per pipeline stage")
+    p.add_argument("plan", metavar="PLAN.json", help="a PrecisionPlan file")
+    p.add_argument("--pipeline-model-parallel-size", type=_positive_int, required=True,
+                   metavar="P", help="pipeline stages (megatron's even split)")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, metavar="V",
+                   help="interleaved schedule: layers per virtual chunk (chunk c on stage c %% P)")
+    p.add_argument("--model", default="tiny", help="size preset giving the GEMM shapes "
+                   "(pretrain's --model names; default tiny)")
+    p.add_argument("--family", choices=("llama", "gpt"), default="llama",
+                   help="preset family (both have a 'tiny'; default llama)")
+    p.add_argument("--num-layers", type=_positive_int, metavar="N",
+                   help="layers (default: the plan's highest layer + 1; give it when the plan "
+                        "leaves trailing layers out)")
+    _common(p)
+
+
+def _add_evolution(sub) -> None:
+    p = _subparser(sub, "evolution", "a plan over refreshes (SNIP Fig. 11)")
+    p.add_argument("sources", nargs="+", metavar="RUN_DIR_OR_PLAN",
+                   help="run directories (their snip/step_*/plan.json) and/or plan files")
+    p.add_argument("--color-by", choices=("fp4-roles", "format"), default="fp4-roles",
+                   help="fp4-roles: one row per site, colour = how many of x, w, dy are FP4; "
+                        "format: one row per site and role, colour = format family "
+                        "(default fp4-roles)")
+    _common(p)
+
+
+def _add_divergence(sub) -> None:
+    p = _subparser(sub, "divergence", "divergence heatmap of one option (SNIP Fig. 10)")
+    p.add_argument("divergence", metavar="DIVERGENCE.json",
+                   help="a refresh's divergence.json (RUN/snip/step_*/divergence.json)")
+    p.add_argument("--option", metavar="NAME",
+                   help="option to show (default: the one with the most FP4 roles)")
+    p.add_argument("--metric", choices=("dL", "dW", "q"), default="dL",
+                   help="dL: forward loss divergence, dW: weight divergence, q: quality loss "
+                        "(default dL)")
+    _common(p)
+
+
+def _add_loss(sub) -> None:
+    p = _subparser(sub, "loss", "training / validation loss of several runs (SNIP Fig. 8)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run directories (their metrics.jsonl) or metrics.jsonl files")
+    p.add_argument("--labels", help="comma-separated legend labels, one per run "
+                                    "(default: the directory names)")
+    p.add_argument("--smooth", type=_positive_int, default=1, metavar="N",
+                   help="plot the training loss as the mean of the last N records (default 1)")
+    _common(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="plot_precision.py",
+                     description="Plots of precision plans, their refreshes, SNIP divergences "
+                                 "and loss curves (PNG, no display needed).",
+                     epilog="Examples and input formats: docs/plots.md")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_plan, _add_stages, _add_evolution, _add_divergence, _add_loss):
+        add(sub)
+    return parser
+
+
+def _plan_layers(plan, requested: int | None) -> int:
+    from megatron_ext.viz.inputs import num_layers_of
+
+    layers = num_layers_of(plan)
+    if requested is not None and requested < layers:
+        raise ValueError(f"the plan has layers 0-{layers - 1}; --num-layers {requested} is "
+                         "too few")
+    if not (requested or layers):
+        raise ValueError("the plan lists no sites; give --num-layers")
+    return requested or layers
+
+
+def _plot_plan(args):
+    from megatron_ext.viz import inputs, plots
+
+    plan = inputs.load_plan(args.plan)
+    return plots.plan_heatmap(plan, _plan_layers(plan, args.num_layers))
+
+
+def _plot_stages(args):
+    from megatron_ext.precision.cost import flop_report
+    from megatron_ext.viz import inputs, plots
+
+    plan = inputs.load_plan(args.plan)
+    shape = inputs.model_shape(args.family, args.model, _plan_layers(plan, args.num_layers),
+                               args.pipeline_model_parallel_size,
+                               args.num_layers_per_virtual_pipeline_stage)
+    report = flop_report(plan.formats, shape)
+    for stage, fractions in enumerate(report.stage_fractions):
+        print(f"stage {stage}: " + ", ".join(f"{c.upper()} {100 * v:.1f}%"
+                                             for c, v in fractions.items()))
+    title = (f"{plan.method} · {args.family} {args.model}, {shape.num_layers} layers, "
+             f"PP={shape.pipeline_stages}")
+    return plots.stage_bars(report, title)
+
+
+def _plot_evolution(args):
+    from megatron_ext.viz import inputs, plots
+
+    return plots.plan_evolution(inputs.load_plan_series(args.sources), args.color_by)
+
+
+def _plot_divergence(args):
+    from megatron_ext.viz import inputs, plots
+
+    div = inputs.load_divergence(args.divergence)
+    option = args.option or inputs.default_option(div.options)
+    if option not in div.options:
+        raise ValueError(f"--option {option!r} is not in '{args.divergence}' "
+                         f"({len(div.options)} options, e.g. {div.options[0]!r})")
+    return plots.divergence_heatmap(div, option, args.metric)
+
+
+def _plot_loss(args):
+    from megatron_ext.viz import inputs, plots
+
+    labels = args.labels.split(",") if args.labels else [None] * len(args.runs)
+    if len(labels) != len(args.runs):
+        raise ValueError(f"--labels has {len(labels)} label(s) for {len(args.runs)} run(s)")
+    curves = [inputs.load_loss_curve(run, label) for run, label in zip(args.runs, labels)]
+    return plots.loss_curves(curves, args.smooth)
+
+
+COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolution,
+            "divergence": _plot_divergence, "loss": _plot_loss}
+
+
+def _run(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    figure = COMMANDS[args.command](args)
+    from megatron_ext.viz.plots import save_png
+
+    try:
+        save_png(figure, args.out, args.dpi)
+    except OSError as exc:
+        raise UsageError(f"cannot write '{args.out}': {exc.strerror}") from None
+    print(f"wrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Make one plot; bad input -> one ``error:`` line on stderr and exit status 2."""
+    # megatron-core (imported to read plans) warns about GPU libraries no plot uses
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        _run(sys.argv[1:] if argv is None else list(argv))
+    except (UsageError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

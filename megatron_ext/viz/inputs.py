@@ -1,0 +1,262 @@
+"""Reading what the plots show: plans, a run's plan refreshes, divergence files, metrics.
+
+Every reader raises ``ValueError`` with one line naming the file and the problem; the command
+line turns it into ``error: ...`` and exit status 2. Files written by a run:
+
+* ``RUN/snip/step_000100/plan.json`` — the PrecisionPlan made at a refresh (``"step"`` inside);
+* ``RUN/snip/step_000100/divergence.json`` — per site and candidate option, SNIP's estimates::
+
+      {"version": 1, "step": 100, "options": ["x=fp8_e4m3@tile128,w=...,dy=...", ...],
+       "sites": {"L0.qkv": {"<option>": {"dL": 1e-4, "dW": 3e-5, "q": 2e-4}, ...}, ...}}
+
+* ``RUN/metrics.jsonl`` — one JSON object per line: train records with ``"loss"``, validation
+  records with ``"val_loss"``, both with ``"step"`` (``megatron_ext.training.metrics``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from megatron_ext.precision.sites import parse_site_id
+
+PLAN_GLOB = os.path.join("snip", "step_*", "plan.json")
+"""Where a run's planner writes the plan of each refresh, relative to the run directory."""
+METRICS = ("dL", "dW", "q")
+"""Per-option values of divergence.json: forward loss divergence, weight divergence, quality."""
+
+
+def read_json(path: str):
+    """The parsed JSON of ``path``; ``ValueError`` (one line) if missing or malformed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read '{path}': {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"'{path}' is not valid JSON: {exc.msg} at line {exc.lineno}") \
+            from None
+
+
+# ---------------------------------------------------------------------------------- plans
+
+
+def load_plan(path: str):
+    """A PrecisionPlan file (``megatron_ext.precision.plan.load_plan``)."""
+    from megatron_ext.precision.plan import load_plan as _load
+
+    return _load(path)
+
+
+def plan_files(source: str) -> list[str]:
+    """``source`` itself if it is a file, else its ``snip/step_*/plan.json`` files."""
+    if not os.path.isdir(source):
+        return [source]
+    files = sorted(glob.glob(os.path.join(source, PLAN_GLOB)))
+    if not files:
+        raise ValueError(f"'{source}' has no {PLAN_GLOB} (not a run directory with SNIP "
+                         "refreshes, and not a plan file)")
+    return files
+
+
+def load_plan_series(sources: list[str]) -> list:
+    """The plans of every source (run directories and plan files), in step order; two plans
+    of the same step are an error."""
+    plans = {}
+    for path in (f for source in sources for f in plan_files(source)):
+        plan = load_plan(path)
+        if plan.step in plans:
+            raise ValueError(f"two plans for step {plan.step}: '{plans[plan.step][0]}' and "
+                             f"'{path}'")
+        plans[plan.step] = (path, plan)
+    return [plans[step][1] for step in sorted(plans)]
+
+
+def num_layers_of(plan) -> int:
+    """Layers a plan mentions: its highest layer index + 1 (0 for an empty plan)."""
+    return 1 + max((parse_site_id(sid)[0] for sid in plan.sites), default=-1)
+
+
+def model_shape(family: str, preset: str, num_layers: int | None, pipeline_stages: int,
+                layers_per_virtual_stage: int | None = None):
+    """The cost model's ``ModelShape`` of a ``--model`` preset (tokens = 1: fractions do not
+    depend on them); ``ValueError`` for an unknown preset or a layout that does not divide."""
+    from megatron_ext.precision.cost import ModelShape
+    from megatron_ext.training.presets import get_preset
+
+    arch = get_preset(family, preset)
+    layers = num_layers or arch.num_layers
+    if pipeline_stages < 1 or layers % pipeline_stages:
+        raise ValueError(f"--pipeline-model-parallel-size {pipeline_stages} does not divide "
+                         f"the {layers} layers")
+    per_stage = layers // pipeline_stages
+    if layers_per_virtual_stage is not None and (layers_per_virtual_stage < 1
+                                                 or per_stage % layers_per_virtual_stage):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} "
+                         f"does not divide the {per_stage} layers of a stage")
+    return ModelShape(layers, arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads,
+                      arch.num_query_groups, arch.swiglu, 1, pipeline_stages,
+                      layers_per_virtual_stage)
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One refresh's divergence.json."""
+
+    step: int
+    """Training step of the refresh."""
+    options: tuple[str, ...]
+    """Candidate option names, in the file's order."""
+    sites: dict[str, dict[str, dict[str, float | None]]]
+    """Site id -> option name -> ``{"dL", "dW", "q"}`` (``None`` where the file has none)."""
+
+    def value(self, site: str, option: str, metric: str) -> float | None:
+        """``metric`` of ``option`` at ``site``; ``None`` if the file does not give it."""
+        return self.sites.get(site, {}).get(option, {}).get(metric)
+
+
+def _number(value, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _site_values(sid: str, entry, path: str) -> dict[str, dict[str, float | None]]:
+    try:
+        parse_site_id(sid)
+    except ValueError as exc:
+        raise ValueError(f"'{path}': {exc}") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"'{path}': sites.{sid} must be an object: option -> values")
+    out = {}
+    for option, values in entry.items():
+        where = f"'{path}': sites.{sid}[{option!r}]"
+        if not isinstance(values, dict):
+            raise ValueError(f"{where} must be an object with {', '.join(METRICS)}")
+        out[option] = {m: _number(values.get(m), f"{where}.{m}") for m in METRICS}
+    return out
+
+
+def load_divergence(path: str) -> Divergence:
+    """Read and check a divergence.json (schema in the module docstring)."""
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("version") != 1:
+        raise ValueError(f"'{path}' is not a version-1 divergence file (need \"version\": 1)")
+    options, sites = data.get("options"), data.get("sites")
+    if not isinstance(options, list) or not options \
+            or not all(isinstance(o, str) for o in options):
+        raise ValueError(f"'{path}': \"options\" must be a non-empty list of option names")
+    if not isinstance(sites, dict) or not sites:
+        raise ValueError(f"'{path}': \"sites\" must be a non-empty object: site -> options")
+    step = data.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"'{path}': \"step\" must be an integer")
+    parsed = {sid: _site_values(sid, entry, path) for sid, entry in sites.items()}
+    return Divergence(step, tuple(options), parsed)
+
+
+def _is_fp4(name: str) -> bool:
+    """The cost model's FP4 class (at most 4 bits: E2M1, MXFP4, NVFP4, INT4); a name the
+    format registry does not know counts when it says ``fp4``."""
+    from megatron_ext.precision.cost import operand_class
+    from megatron_ext.precision.sites import normalize_format
+
+    try:
+        return operand_class(normalize_format(name)) == "fp4"
+    except ValueError:
+        return "fp4" in name.lower()
+
+
+def fp4_roles(option: str) -> int:
+    """How many roles an option name (``x=fp4_e2m1@tile128,w=nvfp4,dy=fp8_e4m3@tile128``,
+    as the SNIP planner writes them) puts in FP4: 2 here. A name that is not ``role=format``
+    pairs counts its ``fp4`` occurrences."""
+    pairs = [part.partition("=") for part in option.split(",")]
+    if all(sep for _, sep, _ in pairs):
+        return sum(_is_fp4(fmt.strip()) for _, _, fmt in pairs)
+    return option.lower().count("fp4")
+
+
+def default_option(options) -> str:
+    """The option with the most FP4 roles (the all-FP4 one), the first of equals."""
+    return max(options, key=fp4_roles)
+
+
+# -------------------------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class LossCurve:
+    """Loss records of one run (the last record of a step wins: a resumed run appends)."""
+
+    label: str
+    """Legend label."""
+    train: tuple[tuple[int, float], ...]
+    """(step, training loss), in step order."""
+    val: tuple[tuple[int, float], ...]
+    """(step, validation loss), in step order."""
+
+
+def metrics_file(source: str) -> str:
+    """``source/metrics.jsonl`` for a run directory, else ``source`` itself."""
+    return os.path.join(source, "metrics.jsonl") if os.path.isdir(source) else source
+
+
+def _records(path: str) -> list[dict]:
+    """The JSON objects of a JSONL file; an unterminated last line (being written) is skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except OSError as exc:
+        raise ValueError(f"cannot read '{path}': {exc.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: a partial last write
+                continue
+            raise ValueError(f"'{path}' line {number} is not valid JSON") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"'{path}' line {number} is not a JSON object")
+        records.append(record)
+    return records
+
+
+def _series(records: list[dict], key: str) -> tuple[tuple[int, float], ...]:
+    by_step = {}
+    for record in records:
+        value, step = record.get(key), record.get("step")
+        if isinstance(value, (int, float)) and isinstance(step, int) and math.isfinite(value):
+            by_step[step] = float(value)
+    return tuple(sorted(by_step.items()))
+
+
+def load_loss_curve(source: str, label: str | None = None) -> LossCurve:
+    """Train and validation losses of one run directory (or metrics.jsonl file)."""
+    path = metrics_file(source)
+    records = _records(path)
+    curve = LossCurve(label or _default_label(source), _series(records, "loss"),
+                      _series(records, "val_loss"))
+    if not curve.train and not curve.val:
+        raise ValueError(f"'{path}' has no \"loss\" or \"val_loss\" records")
+    return curve
+
+
+def _default_label(source: str) -> str:
+    path = os.path.normpath(source)
+    if os.path.basename(path) == "metrics.jsonl":
+        path = os.path.dirname(path) or path
+    return os.path.basename(path)
