@@ -31,10 +31,11 @@ from megatron_ext.training.errors import UsageError
 from megatron_ext.training.extensions import Extension
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, extra_policies: dict | None = None) -> None:
     g = parser.add_argument_group("precision (per-layer GEMM formats)")
-    g.add_argument("--precision", default=None, metavar="POLICY:ARG",
-                   help=f"make the plan with a policy: {', '.join(policy_choices())}")
+    choices = ", ".join(policy_choices() + sorted(extra_policies or {}))
+    g.add_argument("--precision", default=None, metavar="POLICY[:ARG]",
+                   help=f"make the plan with a policy: {choices}")
     g.add_argument("--precision-plan", default=None, metavar="PLAN.json",
                    help="read the plan from a PrecisionPlan JSON file (docs/precision.md)")
     g.add_argument("--keep-first-last-layers-bf16", type=int, default=0, metavar="N",
@@ -46,8 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on --load, keep the flags' plan instead of the checkpoint's")
 
 
-def _flags_plan(args) -> PrecisionPlan | None:
+def _flags_plan(args, extra_policies: dict | None = None) -> PrecisionPlan | None:
     """The plan the flags ask for (None without precision flags); ``UsageError`` if bad."""
+    extra_policies = extra_policies or {}
+    if args.precision in extra_policies:
+        if args.precision_plan or args.keep_first_last_layers_bf16:
+            raise UsageError(f"--precision {args.precision} chooses every site itself: drop "
+                             "--precision-plan / --keep-first-last-layers-bf16")
+        return extra_policies[args.precision](args)
     if args.precision and args.precision_plan:
         raise UsageError("--precision and --precision-plan exclude each other")
     keep = args.keep_first_last_layers_bf16
@@ -71,14 +78,16 @@ def _flags_plan(args) -> PrecisionPlan | None:
 class PrecisionRun:
     """One training run's precision state: the plan in force and its FLOP report."""
 
-    def __init__(self):
+    def __init__(self, extra_policies: dict | None = None):
+        self.extra_policies = extra_policies or {}
+        """Policy name -> ``make(args) -> PrecisionPlan`` beyond :mod:`.policies` (SNIP's)."""
         self.plan: PrecisionPlan | None = None
         self.report: FlopReport | None = None
         self.model = None
         self.args = None
 
     def validate(self, args) -> None:
-        self.plan = _flags_plan(args)
+        self.plan = _flags_plan(args, self.extra_policies)
 
     def linear_classes(self, args):
         if self.plan is None:
@@ -131,9 +140,11 @@ def _summary(plan: PrecisionPlan, report: FlopReport) -> str:
             f"FP4 per stage [{stages}] | est. GEMM time {report.time_vs_bf16:.2f}x BF16")
 
 
-def precision_extension() -> Extension:
-    """A fresh precision Extension for one run."""
-    run = PrecisionRun()
-    return Extension(name="precision", add_arguments=add_arguments, validate=run.validate,
+def precision_extension(run: PrecisionRun | None = None) -> Extension:
+    """The precision Extension of one run (a fresh :class:`PrecisionRun` by default)."""
+    run = run or PrecisionRun()
+    return Extension(name="precision",
+                     add_arguments=lambda parser: add_arguments(parser, run.extra_policies),
+                     validate=run.validate,
                      linear_classes=run.linear_classes, after_setup=run.after_setup,
                      on_step=run.on_step)

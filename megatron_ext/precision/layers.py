@@ -44,6 +44,8 @@ class QuantizedLinear:
     """``L{i}.{site}`` of this class (set by :func:`quantized_class`)."""
     te_allowed: bool = True
     """Whether natively supported formats may run through Transformer Engine."""
+    observer = None
+    """While a SNIP refresh runs: the callable that runs the GEMM instead (None otherwise)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -53,18 +55,26 @@ class QuantizedLinear:
         self.formats = SiteFormats()
 
     def _forward_impl(self, input, weight, **kwargs):
+        if self.observer is not None:  # a SNIP refresh pass (megatron_ext.snip.stats)
+            return self.observer(self, input, weight, kwargs)
         ops = resolve(self.formats)
         if ops.passthrough:
             return super()._forward_impl(input=input, weight=weight, **kwargs)
-        group = kwargs["tp_group"]
-        if kwargs["allreduce_dgrad"]:
-            input = copy_to_tensor_model_parallel_region(input, group=group)
-        if kwargs["sequence_parallel"]:
-            input = gather_from_sequence_parallel_region(input, True, group=group)
+        input = tp_input(input, kwargs)
         recipe = te.device_recipe(self.formats, input) if self.te_allowed else None
         if recipe is not None:
             return te.te_linear(self, input, weight, kwargs["bias"], recipe)
         return quantized_gemm(input, weight, kwargs["bias"], ops)
+
+
+def tp_input(input, kwargs: dict):
+    """The GEMM's input: megatron's TP mapping of the module input (see the module docstring)."""
+    group = kwargs["tp_group"]
+    if kwargs["allreduce_dgrad"]:
+        input = copy_to_tensor_model_parallel_region(input, group=group)
+    if kwargs["sequence_parallel"]:
+        input = gather_from_sequence_parallel_region(input, True, group=group)
+    return input
 
 
 @lru_cache(maxsize=None)

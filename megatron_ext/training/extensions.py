@@ -27,6 +27,9 @@ class Extension:
     after_setup: Callable[..., None] | None = None
     """``after_setup(args, model, checkpointer)``: model built and wrapped, checkpoint state
     may be registered (it runs before ``--load``)."""
+    before_step: Callable[..., None] | None = None
+    """``before_step(args, run, state)`` before each optimizer step (``run`` is the
+    ``TrainingRun``: model, optimizer, datasets): extra passes, plan switches."""
     on_step: Callable[..., dict | None] | None = None
     """``on_step(args, model, state)`` after each optimizer step; a returned dict is merged
     into that step's metrics record."""

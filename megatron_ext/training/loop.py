@@ -47,7 +47,7 @@ def _device() -> torch.device:
         else torch.device("cpu")
 
 
-def _iterators(args, dataset, consumed_samples: int, num_chunks: int):
+def data_iterators(args, dataset, consumed_samples: int, num_chunks: int):
     """One iterator per model chunk (the interleaved schedule pulls from each separately)."""
     its = [MicroBatchIterator(dataset, args.micro_batch_size,
                               parallel_state.get_data_parallel_rank(),
@@ -93,7 +93,7 @@ def evaluate(args, model, valid_dataset) -> float:
     """Mean loss over the first ``--eval-iters`` global batches of the validation split."""
     for chunk in model:
         chunk.eval()
-    iterator = _iterators(args, valid_dataset, 0, len(model))
+    iterator = data_iterators(args, valid_dataset, 0, len(model))
     loss = sum(run_schedule(args, model, iterator, forward_only=True)
                for _ in range(args.eval_iters)) / args.eval_iters
     for chunk in model:
@@ -116,19 +116,21 @@ def _memory_gib() -> dict:
     return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def train(args: argparse.Namespace, run, logger, hooks=()) -> TrainState:
+def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=()) -> TrainState:
     """Train ``run`` (a TrainingRun) to ``--train-iters``: validate, log and checkpoint on
     schedule, and call each ``hook(args, model, state)`` after every step."""
     model, optimizer, scheduler, state = run.model, run.optimizer, run.scheduler, run.state
     checkpointer = run.checkpointer if args.save else None
     train_ds, valid_ds = run.datasets
-    iterator = _iterators(args, train_ds, state.consumed_samples, len(model))
+    iterator = data_iterators(args, train_ds, state.consumed_samples, len(model))
     tokens_per_step = args.global_batch_size * args.seq_length
     for chunk in model:
         chunk.train()
     if state.iteration == 0:
         _validate(args, model, valid_ds, state, logger)  # the starting point of the curve
     while state.iteration < args.train_iters:
+        for pre_hook in pre_hooks:  # ``pre_hook(args, run, state)``: extra passes, plan switches
+            pre_hook(args, run, state)
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         start = time.time()
         result = train_step(args, model, optimizer, scheduler, iterator)

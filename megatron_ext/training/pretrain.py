@@ -102,8 +102,9 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
         logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir)
         _announce(family, args, run)
     hooks = [e.on_step for e in extensions if e.on_step is not None]
+    pre_hooks = [e.before_step for e in extensions if e.before_step is not None]
     try:
-        return train(args, run, logger, hooks)
+        return train(args, run, logger, hooks, pre_hooks=pre_hooks)
     finally:
         if logger:
             logger.close()

@@ -1,0 +1,97 @@
+"""SNIP's estimator against ground truth (paper Fig. 13) on the tiny Llama (not a test).
+
+    python benchmarks/snip_estimator.py                 # train 200 steps, then check
+    python benchmarks/snip_estimator.py --train-iters 50 --out est.png
+
+Trains the ``tiny`` Llama on the embedded corpus (``pretrain_llama.py`` in a child process,
+saving a checkpoint), loads it here in one process and runs
+:func:`megatron_ext.snip.groundtruth.check` on the first validation batch: per site, SNIP's
+estimated ΔL / ΔW of FP4 against the measured loss change / one-step weight divergence.
+Prints the table and the Spearman rank correlations; ``--out`` plots estimated vs measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _train(run_dir: Path, iters: int, extra: list[str]) -> None:
+    cmd = [sys.executable, str(REPO / "pretrain_llama.py"), "--train-iters", str(iters),
+           "--eval-iters", "0", "--run-dir", str(run_dir), "--precision", "uniform:bf16",
+           *extra]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+
+
+def run_check(run_dir: Path, extra: list[str], noise: float):
+    from megatron_ext.snip.extension import snip_extensions
+    from megatron_ext.snip.groundtruth import check
+    from megatron_ext.snip.options import parse_candidates
+    from megatron_ext.precision.policies import UNIFORM
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training import extensions as ext
+    from megatron_ext.training.pretrain import setup
+
+    exts = snip_extensions()
+    args = parse_args("llama", ["--load", str(run_dir / "checkpoints"), "--no-save",
+                                "--precision", "uniform:bf16", "--override-precision-plan",
+                                "--run-dir", str(run_dir / "check"), *extra],
+                      ext.args_provider(exts))
+    for e in exts:
+        if e.validate:
+            e.validate(args)
+    run = setup(args, exts)
+    cands = parse_candidates("fp8,fp4").all_formats()
+    return check(args, run, run.datasets[1], UNIFORM["fp4"], UNIFORM["bf16"].__class__(),
+                 cands, noise)
+
+
+def _plot(result, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, est, true, name, rho in (
+            (axes[0], result.est_dL, result.true_dL, "ΔL", result.spearman_dL),
+            (axes[1], result.est_dW, result.true_dW, "ΔW", result.spearman_dW)):
+        ax.loglog(est, true, "o")
+        for sid, e, t in zip(result.sites, est, true):
+            ax.annotate(sid, (e, t), fontsize=6)
+        ax.set_xlabel(f"SNIP estimate {name}")
+        ax.set_ylabel(f"measured {name}")
+        ax.set_title(f"{name}: Spearman {rho:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--train-iters", type=int, default=200)
+    p.add_argument("--noise", type=float, default=1e-2, help="--snip-noise of the probes")
+    p.add_argument("--out", default=None, help="PNG of estimated vs measured")
+    p.add_argument("--model-args", default="", help="extra pretrain flags, one string")
+    opts = p.parse_args(argv)
+    extra = opts.model_args.split()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        _train(run_dir, opts.train_iters, extra)
+        result = run_check(run_dir, extra, opts.noise)
+    print(f"{'site':10} {'est dL':>10} {'true dL':>10} {'est dW':>10} {'true dW':>10}")
+    for row in zip(result.sites, result.est_dL, result.true_dL, result.est_dW, result.true_dW):
+        print(f"{row[0]:10} " + " ".join(f"{v:10.3e}" for v in row[1:]))
+    print(f"Spearman dL {result.spearman_dL:.3f} | dW {result.spearman_dW:.3f}")
+    if opts.out:
+        _plot(result, opts.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""SNIP step 4: loss divergence ΔL and weight divergence ΔW of every site x option.
+
+Inputs are the reduced statistics of :mod:`megatron_ext.snip.stats` (sums of squares over the
+global batch) and :mod:`megatron_ext.snip.adam`. Everything here is float64 arithmetic on
+scalars; the model is not touched, so this runs on one rank in a background thread.
+
+Modelling a quantization error as a random perturbation (SNIP §4.1), Theorem 4.1 gives the
+change of a smooth function for an isotropic error ``δ`` of norm ‖δ‖ in ``d`` dimensions as
+``‖∇g‖ ‖δ‖ / √d``. Applied per row (§6.3), for independent rows the variances add:
+
+**Loss divergence** (§4.2, Definition 4.3), option ``o = (f_x, f_w, f_dy)`` at site ``j``::
+
+    ΔL_x² = Σ_m ‖dx_m‖² ‖δx_m‖² / K            = Lx[f_x] / K
+    ΔL_w² = Σ_n ‖dw_n‖² ‖δw_n‖² / K            = Lw[f_w] / K
+    ΔL    = √(ΔL_x² + ΔL_w²) / |L|              (cross term dropped, as in §4.2)
+
+**Weight-gradient errors** (§4.3.1). The gradient of every site ``l`` at or below ``j`` is
+perturbed. Three parts, each the Theorem-4.1 norm of a bilinear map with one operand
+perturbed:
+
+* the site's own wgrad ``dw = dy^T x`` (exact second-order term, no probe needed)::
+
+      ‖δg_j‖²_own = Σ_m ‖δdy_m‖² ‖x_m‖² + Σ_m ‖dy_m‖² ‖δx_m‖²  = Gdy[f_dy] + Gx[f_x]
+
+* its dgrad error ``δdx = δdy·w + dy·δw`` that flows down into the layers below::
+
+      e_B² = ‖δdy‖² ‖w‖² / N + Σ_n ‖δw_n‖² ‖dy_{:,n}‖²       = Bdy ww / N + Bw
+
+* its forward error ``δy = δx·w^T + x·δw^T`` that changes the loss and every gradient::
+
+      e_F² = ‖δx‖² ‖w‖² / K + ‖x‖² ‖δw‖² / K                  = ex ww / K + xx ew / K
+
+How ``e_B`` and ``e_F`` reach site ``l``'s gradient is the second-order term
+``‖∇_{X_j} g_l‖`` of §4.3.1, estimated by Theorem 4.2 from the probes: noise of norm ``ε``
+injected at the top of the network in backward (step 2) or forward (step 3) changes ``g_l``
+by ``‖Δg_l‖``, so ``G(l) = ‖Δg_l‖ / ε`` is the gain from the top to ``g_l``. **Our
+approximation**: a perturbation entering at site ``j`` reaches the sites below with the same
+gain as one entering at the top (the residual stream carries gradients and activations past
+every layer at unit gain; layer-norm and attention gains are not modelled)::
+
+      ‖δg_l‖² = [l = j] ‖δg_j‖²_own + [l < j] e_B² G_B(l)² + [l <= j] e_F² G_F(l)²
+
+(``l < j``: earlier in the forward order of layers and sites).
+
+**Weight divergence** (§4.3.2, Definition 4.4) through AdamW's derivative ``α c A``::
+
+      ΔW = (1/S) Σ_l α c ‖A_l‖ ‖δg_l‖ / (√(N_l K_l) ‖W_l‖),   c = √(1-β2^t)/(1-β1^t)
+
+with ``S`` the number of sites. **Quality loss** ``Q = w_L ΔL + w_W ΔW`` (§5.1, weights 1
+by default).
+
+The baselines of §6.1 read the same statistics: ``abs_error`` is ``Σ_roles ‖δ‖`` of the
+option's formats, ``rel_error`` ``Σ_roles ‖δ‖/‖t‖``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ext.precision.sites import SiteFormats
+
+
+@dataclass(frozen=True)
+class SiteStats:
+    """Reduced statistics of one site (:mod:`megatron_ext.snip.stats` names)."""
+
+    site: str
+    """Site id ``L{i}.{name}``, in forward order within the list."""
+    n: int
+    """Output features N of the site's weight (unsharded)."""
+    k: int
+    """Input features K of the site's weight (unsharded)."""
+    stats: dict
+    """Scalars (``xx``, ``ww``, ...) and per-format dicts (``Lx``, ``ew``, ...)."""
+    adam: float
+    """‖A‖_F² of the site's weight."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """ΔL, ΔW and Q of one site under one option."""
+
+    dL: float
+    """Normalised loss divergence (Definition 4.3)."""
+    dW: float
+    """This site's contribution to the normalised weight divergence (Definition 4.4)."""
+    q: float
+    """Quality loss w_L ΔL + w_W ΔW."""
+
+
+def _safe_div(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def loss_divergence(s: SiteStats, o: SiteFormats, loss: float) -> float:
+    """ΔL of §4.2 for option ``o``."""
+    st = s.stats
+    return math.sqrt((st["Lx"][o.x] + st["Lw"][o.w]) / s.k) / max(abs(loss), 1e-30)
+
+
+def _gradient_errors(s: SiteStats, o: SiteFormats) -> tuple[float, float, float]:
+    """(‖δg_j‖²_own, e_B², e_F²) of option ``o``."""
+    st = s.stats
+    own = st["Gdy"][o.dy] + st["Gx"][o.x]
+    e_b = st["Bdy"][o.dy] * st["ww"] / s.n + st["Bw"][o.w]
+    e_f = (st["ex"][o.x] * st["ww"] + st["xx"] * st["ew"][o.w]) / s.k
+    return own, e_b, e_f
+
+
+def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper: dict,
+                       include_forward: bool = True) -> np.ndarray:
+    """ΔW[site, option] of §4.3 (array of shape sites x options); ``include_forward=False``
+    leaves out the forward error ``e_F`` (an option whose fprop stays exact)."""
+    lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
+    c = math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    # per site l: weight of ‖δg_l‖ in ΔW, and the probe gains G_B(l)², G_F(l)²
+    scale = np.array([lr * c * math.sqrt(s.adam) / math.sqrt(s.n * s.k)
+                      * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
+    noise_b = sum(s.stats["noiseB"] for s in sites)
+    noise_f = sum(s.stats["noiseF"] for s in sites)
+    gain_b = np.array([_safe_div(s.stats["dgB"], noise_b) for s in sites])
+    gain_f = np.array([_safe_div(s.stats["dgF"], noise_f) for s in sites])
+    out = np.zeros((len(sites), len(options)))
+    for j, s in enumerate(sites):
+        below = np.arange(len(sites)) < j
+        upto = np.arange(len(sites)) <= j
+        for i, o in enumerate(options):
+            own, e_b, e_f = _gradient_errors(s, o)
+            dg2 = e_b * gain_b * below + (e_f * gain_f * upto if include_forward else 0.0)
+            dg2[j] += own
+            out[j, i] = float(np.sum(scale * np.sqrt(dg2))) / len(sites)
+    return out
+
+
+def divergences(sites: list[SiteStats], options: list[SiteFormats], loss: float,
+                hyper: dict, weight_loss: float = 1.0, weight_weight: float = 1.0
+                ) -> list[list[Divergence]]:
+    """``[site][option]`` ΔL, ΔW and Q for every site and option."""
+    dw = weight_divergences(sites, options, hyper)
+    out = []
+    for j, s in enumerate(sites):
+        row = []
+        for i, o in enumerate(options):
+            dl = loss_divergence(s, o, loss)
+            row.append(Divergence(dl, float(dw[j, i]),
+                                  weight_loss * dl + weight_weight * float(dw[j, i])))
+        out.append(row)
+    return out
+
+
+def quantization_errors(s: SiteStats, o: SiteFormats, relative: bool) -> float:
+    """The min-abs-err / min-rel-err baselines' quality: Σ over roles of ‖δ‖ (or ‖δ‖/‖t‖)."""
+    st = s.stats
+    parts = ((st["ex"][o.x], st["xx"]), (st["ew"][o.w], st["ww"]),
+             (st["Bdy"][o.dy], st["dydy"]))
+    return sum(math.sqrt(err) / (math.sqrt(ref) if relative and ref > 0 else 1.0)
+               for err, ref in parts)

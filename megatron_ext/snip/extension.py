@@ -1,0 +1,246 @@
+"""``--precision snip`` (and the §6.1 baselines) in training: flags, schedule, worker, plans.
+
+Schedule (SNIP §3, Fig. 6). With ``--snip-start S --snip-interval I --snip-apply-lag D``,
+a **refresh** happens before steps ``s = S, S+I, S+2I, ...`` (``s`` = optimizer steps done):
+
+1. every rank runs steps 1-3 on the batch step ``s+1`` will train on
+   (:func:`megatron_ext.snip.refresh.collect`), then trains step ``s+1`` normally;
+2. after that step the AdamW terms are read and all statistics are summed over all ranks
+   (one all-reduce of ``sites x stats`` scalars);
+3. rank 0 runs step 4 (divergences) and 5 (ILP) in a background thread while training goes
+   on, and writes ``<run dir>/snip/step_<s>/{stats,divergence,problem,solution,plan}.json``;
+4. before step ``s + D + 1`` (after ``D`` steps) every rank takes the plan from rank 0
+   (waiting there if the worker is not done: a step fixed in advance, never a race),
+   applies it and checks that all ranks hold the same plan hash.
+
+The pending refresh (its reduced statistics and apply step) is checkpoint state: resuming
+between ``s`` and ``s+D`` re-solves from the saved statistics and applies the same plan at
+the same step. Until the first plan the run uses the **safe plan** — the first candidate
+for every role (FP8 by default). ``random``, ``e-layer-type`` and ``e-layer-id`` need no
+statistics: their plan is solved once at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+
+import numpy as np
+import torch.distributed as dist
+
+from megatron_ext.precision.cost import ModelShape
+from megatron_ext.precision.extension import PrecisionRun, precision_extension
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.sites import SITES, ROLES, SiteFormats, site_id
+from megatron_ext.snip import planner
+from megatron_ext.snip.divergence import SiteStats
+from megatron_ext.snip.ilp import STAGE_BALANCE, SolverConfig
+from megatron_ext.snip.options import DEFAULT_CANDIDATES, option_name, parse_candidates
+from megatron_ext.snip.problem import write_json_atomic
+from megatron_ext.snip.refresh import adam_statistics, collect, reduce_statistics
+from megatron_ext.training.errors import UsageError
+from megatron_ext.training.extensions import Extension
+
+POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("SNIP (--precision snip | random | min-abs-err | min-rel-err "
+                                  "| e-layer-type | e-layer-id)")
+    g.add_argument("--snip-budget", type=float, default=0.5, metavar="E_t",
+                   help="target fraction of linear-layer FLOPs in FP4 (eq. 2)")
+    g.add_argument("--snip-candidates", default=DEFAULT_CANDIDATES, metavar="F1,F2,...",
+                   help="formats each role may take: recipes fp8/fp4/bf16 or format names "
+                        "(options = one per role)")
+    g.add_argument("--snip-stage-balance", choices=STAGE_BALANCE, default="paper",
+                   help="paper: eq. 5 (every stage >= E_t/K); time: cap every stage's "
+                        "estimated time; none: eq. 2 only")
+    g.add_argument("--snip-start", type=int, default=50, metavar="STEP",
+                   help="first refresh before this step")
+    g.add_argument("--snip-interval", type=int, default=100, metavar="STEPS",
+                   help="steps between refreshes (0: only the first)")
+    g.add_argument("--snip-apply-lag", type=int, default=2, metavar="STEPS",
+                   help="a refresh's plan is applied this many steps after it")
+    g.add_argument("--snip-noise", type=float, default=1e-2, metavar="EPS",
+                   help="probe noise std relative to the tensor's RMS (steps 2-3)")
+    g.add_argument("--snip-loss-weight", type=float, default=1.0, help="w_L in Q = w_L ΔL + w_W ΔW")
+    g.add_argument("--snip-weight-weight", type=float, default=1.0, help="w_W in Q")
+    g.add_argument("--snip-time-limit", type=float, default=30.0, help="ILP seconds (HiGHS)")
+    g.add_argument("--snip-mip-gap", type=float, default=1e-6, help="ILP relative MIP gap")
+    g.add_argument("--snip-threads", type=int, default=1, help="HiGHS threads")
+    g.add_argument("--snip-seed", type=int, default=0, help="seed of the random baseline")
+
+
+class SnipRun:
+    """One run's SNIP state: options, the pending refresh, the worker."""
+
+    def __init__(self):
+        self.precision: PrecisionRun | None = None
+        """The precision extension's run, which applies plans (set by :func:`snip_extensions`)."""
+        self.policy: str | None = None
+        self.options: list[SiteFormats] = []
+        self.candidates: dict = {}
+        self.pending: dict | None = None
+        """The refresh awaiting its apply step: step, apply, stats, loss, hyper."""
+        self._collected = None
+        self._worker: threading.Thread | None = None
+        self._result: dict | None = None
+        self.run = None
+
+    # -- flags -------------------------------------------------------------------------
+    def initial_plan(self, args) -> PrecisionPlan:
+        """The plan before the first refresh (the precision extension's policy hook)."""
+        self._validate(args)
+        if self.policy in planner.STATIC_POLICIES:
+            return self._solve(args, None, step=0)[0]
+        first = SiteFormats(*(self.candidates[r][0] for r in ROLES))
+        sites = {site_id(layer, s): first for layer in range(args.num_layers) for s in SITES}
+        return PrecisionPlan(sites, method=f"{self.policy}:safe")
+
+    def _validate(self, args) -> None:
+        self.policy = args.precision
+        if not 0.0 <= args.snip_budget <= 1.0:
+            raise UsageError(f"--snip-budget must be in [0, 1], got {args.snip_budget}")
+        if args.snip_start < 0 or args.snip_interval < 0 or args.snip_apply_lag < 1:
+            raise UsageError("--snip-start and --snip-interval must be >= 0 and "
+                             "--snip-apply-lag >= 1")
+        if args.snip_noise <= 0:
+            raise UsageError(f"--snip-noise must be > 0, got {args.snip_noise}")
+        try:
+            cands = parse_candidates(args.snip_candidates)
+        except ValueError as exc:
+            raise UsageError(f"--snip-candidates: {exc}") from None
+        self.candidates, self.options = cands.all_formats(), cands.options()
+
+    # -- schedule ----------------------------------------------------------------------
+    def _refresh_due(self, args, step: int) -> bool:
+        if self.policy not in planner.STATS_POLICIES or step < args.snip_start:
+            return False
+        if step == args.snip_start:
+            return True
+        return bool(args.snip_interval) and (step - args.snip_start) % args.snip_interval == 0
+
+    def before_step(self, args, run, state) -> None:
+        self.run = run
+        if self.pending is not None and state.iteration == self.pending["apply"]:
+            self._apply(args)
+        if self._refresh_due(args, state.iteration):
+            train_ds = run.datasets[0]
+            self._collected = collect(args, run.model, train_ds, state.consumed_samples,
+                                      self.candidates, args.snip_noise)
+
+    def on_step(self, args, model, state) -> dict | None:
+        if self._collected is None:
+            return None
+        observers, loss = self._collected
+        self._collected = None
+        adam, hyper = adam_statistics(self.run.optimizer, model)
+        stats = reduce_statistics(observers, adam, args, self.candidates)
+        step = state.iteration - 1
+        self.pending = {"step": step, "apply": step + args.snip_apply_lag,
+                        "stats": [s.__dict__ for s in stats], "loss": loss, "hyper": hyper}
+        self._start_worker(args)
+        return {"snip_refresh": step}
+
+    # -- worker (rank 0) -----------------------------------------------------------------
+    def _start_worker(self, args) -> None:
+        if dist.get_rank() != 0:
+            return
+        pending = self.pending
+        self._result = None
+
+        def work():
+            stats = [SiteStats(**s) for s in pending["stats"]]
+            plan, sol = self._solve(args, stats, pending["step"], pending["loss"],
+                                    pending["hyper"], write=True)
+            self._result = {"plan": plan.to_dict(), "solution": sol.to_dict()}
+
+        self._worker = threading.Thread(target=work, name="snip-planner", daemon=True)
+        self._worker.start()
+
+    def _apply(self, args) -> None:
+        payload = [None]
+        if dist.get_rank() == 0:
+            if self._worker is None:  # resumed from a checkpoint: re-solve from its stats
+                self._start_worker(args)
+            self._worker.join()
+            if self._result is None:
+                raise RuntimeError("SNIP planner failed (see the traceback above)")
+            payload[0] = self._result["plan"]
+        dist.broadcast_object_list(payload, src=0)
+        self.precision.set_plan(PrecisionPlan.from_dict(payload[0]))
+        self.pending, self._worker = None, None
+
+    # -- steps 4-5 -----------------------------------------------------------------------
+    def _solve(self, args, stats, step, loss=1.0, hyper=None, write=False):
+        shape = ModelShape.from_args(args)
+        sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
+        q = planner.quality_table(self.policy, stats, self.options, loss, hyper, shape,
+                                  args.snip_seed,
+                                  (args.snip_loss_weight, args.snip_weight_weight))
+        fixed = planner.stage_fixed_times(shape, args.seq_length,
+                                          getattr(args, "padded_vocab_size", 0) or 0)
+        problem = planner.build_problem(sites, self.options, q, shape, fixed,
+                                        meta={"step": step, "policy": self.policy})
+        config = SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads)
+        warm = None
+        if self.precision.plan is not None:
+            warm = {sid: option_name(f) for sid, f in self.precision.plan.sites.items()}
+        plan, solution = planner.make_plan(problem, self.options, self.policy, step,
+                                           args.snip_budget, args.snip_stage_balance,
+                                           config, warm)
+        if write and args.run_dir:
+            self._write(args.run_dir, step, stats, q, problem, solution, plan, loss, hyper)
+        return plan, solution
+
+    def _write(self, run_dir, step, stats, q, problem, solution, plan, loss, hyper) -> None:
+        out = os.path.join(run_dir, "snip", f"step_{step:06d}")
+        os.makedirs(out, exist_ok=True)
+        names = [option_name(o) for o in self.options]
+        write_json_atomic(os.path.join(out, "stats.json"), {
+            "version": 1, "step": step, "loss": loss, "adam": hyper,
+            "candidates": self.candidates, "sites": [s.__dict__ for s in stats]})
+        write_json_atomic(os.path.join(out, "divergence.json"), _divergence_json(
+            step, names, stats, self.options, q, loss, hyper, self.policy))
+        problem.save(os.path.join(out, "problem.json"))
+        write_json_atomic(os.path.join(out, "solution.json"), solution.to_dict())
+        write_json_atomic(os.path.join(out, "plan.json"), plan.to_dict())
+
+    # -- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = state.get("pending")
+        self._worker = None
+
+
+def _divergence_json(step, names, stats, options, q, loss, hyper, policy) -> dict:
+    from megatron_ext.snip.divergence import divergences
+    sites = {}
+    if policy == "snip":
+        table = divergences(stats, options, loss, hyper)
+        for s, row in zip(stats, table):
+            sites[s.site] = {n: {"dL": d.dL, "dW": d.dW, "q": d.q} for n, d in zip(names, row)}
+    else:
+        for s, row in zip(stats, np.asarray(q)):
+            sites[s.site] = {n: {"dL": 0.0, "dW": 0.0, "q": float(v)} for n, v in zip(names, row)}
+    return {"version": 1, "step": step, "policy": policy, "options": names, "sites": sites}
+
+
+def snip_extensions() -> list[Extension]:
+    """The precision Extension with the SNIP policies added, and the SNIP Extension."""
+    snip = SnipRun()
+    snip.precision = PrecisionRun({policy: snip.initial_plan for policy in POLICIES})
+
+    def after_setup(args, model, checkpointer):
+        if args.precision in POLICIES:
+            checkpointer.register("snip", snip)
+
+    def active(hook):
+        return lambda args, *rest: hook(args, *rest) if args.precision in POLICIES else None
+
+    return [precision_extension(snip.precision),
+            Extension(name="snip", add_arguments=add_arguments, after_setup=after_setup,
+                      before_step=active(snip.before_step), on_step=active(snip.on_step))]

@@ -1,0 +1,124 @@
+"""The estimator check (SNIP Fig. 13): estimated ΔL / ΔW against measured ones, per site.
+
+On a trained model and one fixed held-out global batch:
+
+* **ΔL** — measured: quantize only site ``j``'s ``x`` and ``w`` (fprop) to the FP4 candidate,
+  run the forward pass, ``|L_j - L| / L``; estimated: :func:`~megatron_ext.snip.divergence.
+  loss_divergence` of the option (x, w in FP4) from one refresh's statistics on that batch.
+* **ΔW** — measured: from the same optimizer state, one AdamW step on the batch with only
+  site ``j``'s backward operands in FP4 (``dy`` in dgrad and wgrad, ``w`` in dgrad, ``x`` in
+  wgrad), against the unquantized step: ``(1/S) Σ_l ‖W'_l - W_l‖ / ‖W_l‖`` over the ``S``
+  site weights; estimated: :func:`~megatron_ext.snip.divergence.weight_divergences` of the
+  all-FP4 option with the forward part left out (the measurement keeps fprop exact).
+
+Both are compared by Spearman rank correlation over the sites (the ILP only needs the
+ranking and the relative sizes). Used by ``benchmarks/snip_estimator.py`` and its test.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_ext.precision.plan import PrecisionPlan, apply_plan
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.snip.divergence import loss_divergence, weight_divergences
+from megatron_ext.snip.refresh import adam_statistics, collect, reduce_statistics
+from megatron_ext.training import loop
+
+
+@dataclass
+class EstimatorCheck:
+    """Per-site estimated and measured divergences, and their rank correlations."""
+
+    sites: list[str]
+    """Site ids in forward order."""
+    est_dL: list[float]
+    """SNIP's ΔL estimate of x, w in FP4."""
+    true_dL: list[float]
+    """Measured |ΔL| / L with the site's x, w in FP4."""
+    est_dW: list[float]
+    """SNIP's ΔW estimate of the backward operands in FP4."""
+    true_dW: list[float]
+    """Measured ΔW of one AdamW step with the site's backward operands in FP4."""
+    spearman_dL: float
+    """Rank correlation of est_dL and true_dL."""
+    spearman_dW: float
+    """Rank correlation of est_dW and true_dW."""
+
+
+def _loss(args, model, dataset) -> float:
+    return loop.run_schedule(args, model, loop.data_iterators(args, dataset, 0, len(model)),
+                             forward_only=True)
+
+
+def _snapshot(run) -> tuple[list, dict]:
+    params = [p.detach().clone() for c in run.model for p in c.parameters()]
+    return params, copy.deepcopy(run.optimizer.optimizer.state_dict())
+
+
+def _restore(run, snap) -> None:
+    params, opt_state = snap
+    with torch.no_grad():
+        for p, saved in zip((p for c in run.model for p in c.parameters()), params):
+            p.copy_(saved)
+    run.optimizer.optimizer.load_state_dict(copy.deepcopy(opt_state))
+
+
+def _step(args, run, dataset) -> None:
+    """One optimizer step on the held-out batch (no scheduler step)."""
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    loop.run_schedule(args, run.model, loop.data_iterators(args, dataset, 0, len(run.model)),
+                      forward_only=False)
+    run.optimizer.step()
+
+
+def _site_weights(run, sites) -> list[torch.Tensor]:
+    from megatron_ext.precision.layers import quantized_linears
+    linears = quantized_linears(run.model)
+    return [linears[s].weight.detach().double().clone() for s in sites]
+
+
+def _weight_divergence(before, after) -> float:
+    return float(np.mean([float((a - b).norm() / b.norm()) for a, b in zip(after, before)]))
+
+
+def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: dict,
+          noise: float) -> EstimatorCheck:
+    """Run the check on ``dataset``'s first global batch (single process)."""
+    from scipy.stats import spearmanr
+
+    num_layers = args.num_layers
+    empty = PrecisionPlan({})
+    apply_plan(run.model, empty, num_layers)
+    snap = _snapshot(run)
+    observers, loss = collect(args, run.model, dataset, 0, candidates, noise)
+    _step(args, run, dataset)  # the reference step: its AdamW state feeds the estimate
+    adam, hyper = adam_statistics(run.optimizer, run.model)
+    stats = reduce_statistics(observers, adam, args, candidates)
+    sites = [s.site for s in stats]
+    reference = _site_weights(run, sites)
+    _restore(run, snap)
+    x_w = SiteFormats(fp4.x, fp4.w, high.dy)
+    backward = SiteFormats(high.x, high.w, fp4.dy,
+                           overrides=(("dgrad.w", fp4.w), ("wgrad.x", fp4.x)))
+    est_dl = [loss_divergence(s, x_w, loss) for s in stats]
+    est_dw = weight_divergences(stats, [fp4], hyper, include_forward=False)[:, 0]
+    true_dl, true_dw = [], []
+    for sid in sites:
+        apply_plan(run.model, PrecisionPlan({sid: x_w}), num_layers)
+        true_dl.append(abs(_loss(args, run.model, dataset) - loss) / loss)
+        apply_plan(run.model, PrecisionPlan({sid: backward}), num_layers)
+        _step(args, run, dataset)
+        after = _site_weights(run, sites)
+        true_dw.append(_weight_divergence(reference, after))  # Definition 4.4
+        _restore(run, snap)
+    apply_plan(run.model, empty, num_layers)
+    return EstimatorCheck(sites, est_dl, true_dl, [float(v) for v in est_dw], true_dw,
+                          float(spearmanr(est_dl, true_dl).statistic),
+                          float(spearmanr(est_dw, true_dw).statistic))

@@ -1,0 +1,127 @@
+"""SNIP step 5 in training: quality table -> ILP problem -> PrecisionPlan, and the baselines.
+
+Every policy — SNIP and the §6.1 baselines — fills one table ``q[site, option]`` and goes
+through the same ILP (:func:`megatron_ext.snip.ilp.solve`) at the same budget ``E_t`` and
+stage balance, so plans differ only in what they minimise:
+
+==================  ==================================================================
+policy              q[site, option]
+==================  ==================================================================
+``snip``            ΔL + ΔW (:mod:`megatron_ext.snip.divergence`)
+``min-abs-err``     Σ_roles ‖δ‖ of the option's formats (quantization error only)
+``min-rel-err``     Σ_roles ‖δ‖ / ‖t‖
+``random``          uniform random (seeded) x FP4 share of the option
+``e-layer-type``    FP4 share x (10 for MLP gate/up ``fc1``, 1 elsewhere): FP8 for fc1 first
+``e-layer-id``      FP4 share x (1 + distance from the middle layer): FP4 for middle layers
+==================  ==================================================================
+
+Each site's FLOPs and estimated times come from the cost model: a GEMM of ``2·T·N·K``
+FLOPs runs at the rate of its wider operand (BF16 989 TFLOP/s, FP8 2x, FP4 4x, H100-like);
+each stage's fixed time is its layers' attention core plus, on the last stage, the output
+layer, both in BF16 (``stage_fixed_time`` of ``problem.json``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_ext.precision.cost import SPEED, ModelShape, gemm_class
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.sites import GEMM_ROLES, SiteFormats, parse_site_id
+from megatron_ext.snip.divergence import SiteStats, divergences, quantization_errors
+from megatron_ext.snip.ilp import Solution, SolverConfig, solve
+from megatron_ext.snip.options import option_name
+from megatron_ext.snip.problem import Option, Problem, Site
+from megatron_ext.snip.synthetic import BF16_FLOPS_PER_S
+
+STATS_POLICIES = ("snip", "min-abs-err", "min-rel-err")
+"""Policies that need measured statistics (a refresh)."""
+STATIC_POLICIES = ("random", "e-layer-type", "e-layer-id")
+"""Policies that need only the model shape."""
+
+
+def option_costs(shape: ModelShape, site: str, formats: SiteFormats) -> tuple[float, float, float]:
+    """(FP4 FLOPs, FLOPs, seconds) of one site's three GEMMs with ``formats``."""
+    n, k = shape.site_nk(site)
+    gemm = 2.0 * shape.tokens * n * k
+    fp4 = seconds = 0.0
+    for name, (a, b) in GEMM_ROLES.items():
+        cls = gemm_class(formats.operand(name, a), formats.operand(name, b))
+        fp4 += gemm if cls == "fp4" else 0.0
+        seconds += gemm / (BF16_FLOPS_PER_S * SPEED[cls])
+    return fp4, 3 * gemm, seconds
+
+
+def stage_fixed_times(shape: ModelShape, seq_length: int, vocab: int) -> list[float]:
+    """Per stage: attention core of its layers, plus the output layer on the last (BF16)."""
+    flops = [0.0] * shape.pipeline_stages
+    for layer in range(shape.num_layers):
+        flops[shape.stage_of(layer)] += 3 * 2 * shape.tokens * seq_length * shape.hidden_size
+    flops[-1] += 3 * 2 * shape.tokens * vocab * shape.hidden_size
+    return [f / BF16_FLOPS_PER_S for f in flops]
+
+
+def build_problem(sites: list[str], options: list[SiteFormats], q: np.ndarray,
+                  shape: ModelShape, fixed: list[float], meta: dict | None = None) -> Problem:
+    """The ILP instance for ``q[site, option]`` (``problem.json`` of a refresh)."""
+    out = []
+    for i, sid in enumerate(sites):
+        layer, name = parse_site_id(sid)
+        opts = []
+        for j, fmt in enumerate(options):
+            fp4, flops, seconds = option_costs(shape, name, fmt)
+            opts.append(Option(option_name(fmt), float(q[i, j]), fp4, flops, seconds))
+        out.append(Site(sid, shape.stage_of(layer), tuple(opts)))
+    return Problem(tuple(out), shape.pipeline_stages, tuple(fixed), meta=meta or {})
+
+
+def quality_table(policy: str, stats: list[SiteStats] | None, options: list[SiteFormats],
+                  loss: float = 1.0, hyper: dict | None = None, shape: ModelShape | None = None,
+                  seed: int = 0, weights: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
+    """``q[site, option]`` of ``policy`` (see the module docstring)."""
+    if policy == "snip":
+        div = divergences(stats, options, loss, hyper, *weights)
+        return np.array([[d.q for d in row] for row in div])
+    if policy in ("min-abs-err", "min-rel-err"):
+        rel = policy == "min-rel-err"
+        return np.array([[quantization_errors(s, o, rel) for o in options] for s in stats])
+    return _static_table(policy, options, shape, seed)
+
+
+def _static_table(policy: str, options: list[SiteFormats], shape: ModelShape,
+                  seed: int) -> np.ndarray:
+    layers, names = shape.num_layers, ("qkv", "proj", "fc1", "fc2")
+    share = np.array([option_costs(shape, "qkv", o)[0] / option_costs(shape, "qkv", o)[1]
+                      for o in options])
+    if policy == "random":
+        rng = np.random.default_rng(seed)
+        return rng.random((layers * len(names), len(options))) * (share + 1e-3)
+    middle = (layers - 1) / 2
+    weight = [_site_weight(policy, layer, name, middle)
+              for layer in range(layers) for name in names]
+    return np.outer(weight, share + 1e-3)
+
+
+def _site_weight(policy: str, layer: int, name: str, middle: float) -> float:
+    if policy == "e-layer-type":
+        return 10.0 if name == "fc1" else 1.0
+    if policy == "e-layer-id":
+        return 1.0 + abs(layer - middle)
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def plan_from_solution(solution: Solution, options: list[SiteFormats], method: str,
+                       step: int) -> PrecisionPlan:
+    by_name = {option_name(o): o for o in options}
+    sites = {sid: by_name[name] for sid, name in solution.choice.items()}
+    return PrecisionPlan(sites, method=method, step=step, budget=solution.budget,
+                         objective=solution.objective,
+                         stage_fp4_frac=solution.stage_fp4_fraction)
+
+
+def make_plan(problem: Problem, options: list[SiteFormats], method: str, step: int,
+              budget: float, stage_balance: str, config: SolverConfig,
+              warm: dict[str, str] | None = None) -> tuple[PrecisionPlan, Solution]:
+    """Solve ``problem`` and turn the choice into a plan."""
+    solution = solve(problem, budget, stage_balance, config, warm)
+    return plan_from_solution(solution, options, method, step), solution

@@ -1,0 +1,125 @@
+"""One SNIP refresh on every rank: steps 1-3 on the next global batch, reduced statistics.
+
+At refresh step ``s`` the next training batch (the one step ``s+1`` will train on) is run
+three times through megatron's own pipeline schedule with every site's observer attached
+(:mod:`megatron_ext.snip.stats`), and no optimizer step:
+
+1. ``base``: unquantized forward/backward, every statistic, the baseline gradients;
+2. ``probe_backward``: noise added to the gradient entering the last layer;
+3. ``probe_forward``: noise added to the last layer's input.
+
+The gradient buffers are zeroed afterwards and the torch RNG state is restored, so the normal
+step that follows is exactly the step it would have been. After that step,
+:func:`adam_statistics` reads the AdamW state. :func:`reduce_statistics` then sums every
+rank's share with one all-reduce of ``sites x stats`` float64 scalars; every rank ends up with
+the same :class:`~megatron_ext.snip.divergence.SiteStats` list, in global site order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_ext.precision.cost import ModelShape
+from megatron_ext.precision.layers import quantized_linears
+from megatron_ext.precision.sites import SITES, parse_site_id, site_id
+from megatron_ext.snip.adam import adam_terms
+from megatron_ext.snip.divergence import SiteStats
+from megatron_ext.snip.stats import (BASE, PER_FORMAT, PROBE_BACKWARD, PROBE_FORWARD, SCALARS,
+                                     SiteObserver)
+from megatron_ext.training import loop
+
+PASSES = (BASE, PROBE_BACKWARD, PROBE_FORWARD)
+
+
+def _sample_offsets(args, consumed: int) -> list[int]:
+    """Global index of the first sample of each of this DP rank's micro-batches."""
+    dp, rank = parallel_state.get_data_parallel_world_size(), \
+        parallel_state.get_data_parallel_rank()
+    return [consumed + k * args.micro_batch_size * dp + rank * args.micro_batch_size
+            for k in range(args.num_microbatches)]
+
+
+def attach(model, candidates: dict, num_layers: int, noise_scale: float
+           ) -> dict[str, SiteObserver]:
+    """An observer on every local site; the last layer's fc2 carries the probe noise."""
+    noise_site = site_id(num_layers - 1, "fc2")
+    observers = {}
+    for sid, module in quantized_linears(model).items():
+        observers[sid] = SiteObserver(sid, module, candidates,
+                                      noise_scale if sid == noise_site else 0.0)
+        module.observer = observers[sid]
+    return observers
+
+
+def detach(model) -> None:
+    for module in quantized_linears(model).values():
+        module.observer = None
+
+
+def collect(args, model, dataset, consumed_samples: int, candidates: dict,
+            noise_scale: float) -> tuple[dict[str, SiteObserver], float]:
+    """Steps 1-3 on the batch at ``consumed_samples``; returns (observers, base loss)."""
+    observers = attach(model, candidates, args.num_layers, noise_scale)
+    linears = quantized_linears(model)
+    loss = float("nan")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed + consumed_samples)
+            for mode in PASSES:
+                for obs in observers.values():
+                    obs.begin_pass(mode, _sample_offsets(args, consumed_samples),
+                                   args.micro_batch_size)
+                iterator = loop.data_iterators(args, dataset, consumed_samples, len(model))
+                result = loop.run_schedule(args, model, iterator, forward_only=False)
+                loss = result if mode == BASE else loss
+                for sid, obs in observers.items():
+                    obs.end_pass(linears[sid].weight)
+                for chunk in model:
+                    chunk.zero_grad_buffer()
+    finally:
+        detach(model)
+    return observers, loss
+
+
+def adam_statistics(optimizer, model) -> tuple[dict[str, float], dict]:
+    """‖A‖² share per local site and AdamW's hyper-parameters, after a normal step."""
+    site_of = {id(m.weight): sid for sid, m in quantized_linears(model).items()}
+    return adam_terms(optimizer, site_of)
+
+
+def _layout(candidates: dict) -> list[tuple[str, str | None]]:
+    """Column order of the flat statistics vector of one site."""
+    cols = [(key, None) for key in SCALARS]
+    cols += [(key, f) for key, role in PER_FORMAT.items() for f in candidates[role]]
+    return cols + [("adam", None)]
+
+
+def reduce_statistics(observers: dict[str, SiteObserver], adam: dict[str, float],
+                      args, candidates: dict) -> list[SiteStats]:
+    """Sum every rank's shares (one all-reduce) into the global per-site statistics."""
+    sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
+    cols = _layout(candidates)
+    flat = torch.zeros(len(sites), len(cols), dtype=torch.float64)
+    for i, sid in enumerate(sites):
+        obs = observers.get(sid)
+        for c, (key, fmt) in enumerate(cols):
+            if key == "adam":
+                flat[i, c] = adam.get(sid, 0.0)
+            elif obs is not None:
+                flat[i, c] = obs.stats[key] if fmt is None else obs.stats[key][fmt]
+    dist.all_reduce(flat)
+    shape = ModelShape.from_args(args)
+    out = []
+    for i, sid in enumerate(sites):
+        stats: dict = {key: {} for key in PER_FORMAT}
+        for c, (key, fmt) in enumerate(cols):
+            if fmt is None:
+                stats[key] = float(flat[i, c])
+            else:
+                stats[key][fmt] = float(flat[i, c])
+        n, k = shape.site_nk(parse_site_id(sid)[1])
+        out.append(SiteStats(sid, n, k, {k2: v for k2, v in stats.items() if k2 != "adam"},
+                             stats["adam"]))
+    return out

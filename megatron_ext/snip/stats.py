@@ -1,0 +1,288 @@
+"""SNIP steps 1-3: per-site statistics from high-precision forward/backward passes.
+
+A :class:`SiteObserver` is attached to a quantized linear (``module.observer``) only during
+a refresh; a normal step never sees it (``observer is None``: zero overhead). While attached,
+the site runs its GEMMs **unquantized** and records, per micro-batch, what SNIP §4 needs.
+Notation for one site: ``x`` (M x K tokens x inputs), ``w`` (N x K), ``dy`` (M x N),
+``dx``, ``dw``; ``δ_f(t) = q_f(t) - t`` the quantization error of candidate format ``f``
+applied as the GEMM that reads ``t`` applies it (blocks along its reduction axis, see
+:mod:`megatron_ext.precision.gemm`); ``‖·‖_r`` the norm of row ``r``.
+
+Every statistic is a **sum of squares**, kept per site as a float64 scalar (per candidate
+format where it involves an error), so ranks add their parts with one all-reduce of
+``sites x stats`` scalars. Row-wise products (SNIP §6.3 "row-wise formulation") are taken per
+row (token ``m`` of x / dy / dx, output channel ``n`` of w / dw), which needs each row's norm
+complete: under tensor parallelism a row split across TP ranks (row-parallel ``x``, ``dx``,
+``w``) is completed with an all-reduce of one M- or N-vector inside the TP group. A quantity
+held identically by several ranks (replicated over TP or DP) is scaled by 1/replicas before
+the global sum, so the sum counts it once. ``dy`` and ``dx`` arrive scaled by the schedule
+(loss / micro-batches) and are divided by DP so that they are gradients of the global-batch
+loss; ``dw`` is accumulated over micro-batches and averaged over DP (one all-reduce of the
+site's gradient per refresh pass, like DDP's).
+
+=============  =================================================  ============================
+statistic      value                                              used for
+=============  =================================================  ============================
+``xx ww``      ‖x‖², ‖w‖², ‖dy‖², ‖dx‖², ‖dw‖²                    report, ΔL/ΔW normalisation
+``dydy ...``
+``Lx[f]``      Σ_m ‖dx_m‖² ‖δ_f(x)_m‖²       (fprop, along K)     ΔL from x  (§4.2)
+``Lw[f]``      Σ_n ‖dw_n‖² ‖δ_f(w)_n‖²       (fprop)              ΔL from w  (§4.2)
+``ex[f] ew[f]``  ‖δ_f(x)‖², ‖δ_f(w)‖²          (fprop)              forward error ‖δy‖, baselines
+``Bdy[f]``     ‖δ_f(dy)‖²                     (dgrad, along N)     dgrad error ‖δdx‖, baselines
+``Bw[f]``      Σ_n ‖δ_f(w)_n‖² ‖dy_{:,n}‖²   (dgrad)              dgrad error ‖δdx‖
+``Gdy[f]``     Σ_m ‖δ_f(dy)_m‖² ‖x_m‖²       (wgrad, along T)     own weight-gradient error
+``Gx[f]``      Σ_m ‖dy_m‖² ‖δ_f(x)_m‖²       (wgrad, along T)     own weight-gradient error
+``dgB dgF``    ‖g_probe - g_base‖²  (steps 2 / 3)                 ‖∇g‖ by Theorem 4.2
+=============  =================================================  ============================
+
+Steps 2 and 3 (:data:`PROBE_BACKWARD`, :data:`PROBE_FORWARD`) add Gaussian noise at the
+**noise site** (the last layer's ``fc2``): to its ``dy`` (the gradient entering the last layer
+from above) or to its input ``x``; the noise is drawn per sample from a generator seeded by
+the sample's global index, so every TP / DP layout draws the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear
+
+from megatron_ext.formats import get_format
+from megatron_ext.precision.gemm import quantize
+from megatron_ext.precision.layers import tp_input
+
+BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
+"""Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
+
+SCALARS = ("xx", "ww", "dydy", "dxdx", "dwdw", "dgB", "dgF", "noiseB", "noiseF")
+"""Per-site scalar statistics (``noise*``: the injected noise's ‖·‖², noise site only)."""
+PER_FORMAT = {"Lx": "x", "ex": "x", "Gx": "x", "Lw": "w", "ew": "w", "Bw": "w",
+              "Bdy": "dy", "Gdy": "dy"}
+"""Per-candidate statistics and the role whose candidate formats index them."""
+
+
+def _rows_sq(t: torch.Tensor) -> torch.Tensor:
+    """Squared norm of each row of ``t`` viewed as (rows, last dim), in float64."""
+    return t.detach().double().reshape(-1, t.shape[-1]).square().sum(-1)
+
+
+def _error(t: torch.Tensor, name: str, axis: int) -> torch.Tensor:
+    """``q(t) - t`` for format ``name`` along ``axis`` (the GEMM's reduction axis)."""
+    return quantize(t, get_format(name), axis=axis) - t
+
+
+class SiteObserver:
+    """Statistics of one site over a refresh (see the module docstring)."""
+
+    def __init__(self, site: str, module, candidates: dict[str, tuple[str, ...]],
+                 noise_scale: float = 0.0):
+        self.site = site
+        self.column = isinstance(module, ColumnParallelLinear)
+        self.sequence_parallel = bool(getattr(module, "sequence_parallel", False))
+        self.candidates = candidates
+        self.noise_scale = noise_scale
+        """Relative noise std at the noise site (0: this is not the noise site)."""
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.mode = BASE
+        self.sample_offsets: list[int] = []
+        """Global index of the first sample of each micro-batch of the pass, in order."""
+        self.micro_batch_size = 1
+        self.stats = {k: 0.0 for k in SCALARS}
+        for key, role in PER_FORMAT.items():
+            self.stats[key] = {f: 0.0 for f in candidates[role]}
+        self._dw = None
+        self._dycol = None
+        self._g_base = None
+        self._fwd_micro = self._bwd_micro = 0
+
+    # -- replication -------------------------------------------------------------------
+    @property
+    def x_rows_replicated(self) -> bool:
+        """Whether the module-input rows seen here are held by every TP rank."""
+        return not (self.column and self.sequence_parallel)
+
+    def _tp_complete(self, rows: torch.Tensor, partial: bool) -> torch.Tensor:
+        """Complete rows split over TP columns (sum of the ranks' parts)."""
+        if partial and self.tp > 1:
+            dist.all_reduce(rows, group=parallel_state.get_tensor_model_parallel_group())
+        return rows
+
+    def _add(self, key: str, value: torch.Tensor, fmt: str | None = None, rep: float = 1.0):
+        amount = float(value.sum()) * rep
+        if fmt is None:
+            self.stats[key] += amount
+        else:
+            self.stats[key][fmt] += amount
+
+    # -- the observed call ---------------------------------------------------------------
+    def __call__(self, module, input, weight, kwargs):
+        """Replaces the site's ``_forward_impl`` while attached: unquantized GEMM + hooks."""
+        if self.mode == BASE:
+            input = _TapInput.apply(input, self)
+        x = tp_input(input, kwargs)
+        return _ObservedGemm.apply(x, weight, kwargs["bias"], self)
+
+    def begin_pass(self, mode: str, sample_offsets: list[int], micro_batch_size: int):
+        self.mode, self.sample_offsets = mode, sample_offsets
+        self.micro_batch_size = micro_batch_size
+        self._fwd_micro = self._bwd_micro = 0
+        self._dw, self._dycol = None, None
+
+    # module input: x rows and dx rows (ΔL from x)
+    def input_forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = not self.column
+        rows = [_rows_sq(x)] + [_rows_sq(_error(x, f, -1)) for f in self.candidates["x"]]
+        rows = self._tp_complete(torch.stack(rows), partial)
+        rep = 1.0 / self.tp if self.x_rows_replicated else 1.0
+        self._add("xx", rows[0], rep=rep)
+        for f, r in zip(self.candidates["x"], rows[1:]):
+            self._add("ex", r, f, rep)
+        return rows
+
+    def input_backward(self, rows: torch.Tensor, dx: torch.Tensor) -> None:
+        dx_rows = self._tp_complete(_rows_sq(dx), not self.column) / self.dp ** 2
+        rep = 1.0 / self.tp if self.x_rows_replicated else 1.0
+        self._add("dxdx", dx_rows, rep=rep)
+        for f, r in zip(self.candidates["x"], rows[1:]):
+            self._add("Lx", dx_rows * r, f, rep)
+
+    # GEMM backward: dy-side statistics
+    def gemm_backward(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
+        x_rows, dy_rows = _rows_sq(x2), _rows_sq(dy2) / self.dp ** 2
+        rep_dy = 1.0 if self.column else 1.0 / self.tp
+        self._add("dydy", dy_rows, rep=rep_dy)
+        col = dy2.detach().double().square().sum(0) / self.dp ** 2
+        self._dycol = col if self._dycol is None else self._dycol + col
+        for f in self.candidates["dy"]:
+            self._add("Bdy", _rows_sq(_error(dy2, f, -1)) / self.dp ** 2, f, rep_dy)
+            wgrad_err = _error(dy2.t(), f, -1).t()
+            self._add("Gdy", _rows_sq(wgrad_err) / self.dp ** 2 * x_rows, f)
+        for f in self.candidates["x"]:
+            self._add("Gx", _rows_sq(_error(x2.t(), f, -1).t()) * dy_rows, f)
+
+    def accumulate_dw(self, dw: torch.Tensor) -> None:
+        dw = dw.detach().double()
+        self._dw = dw if self._dw is None else self._dw + dw
+
+    # -- noise (steps 2, 3) -----------------------------------------------------------
+    def noise_like(self, t: torch.Tensor, shard_dim: int | None, micro: int) -> torch.Tensor:
+        """Per-sample seeded N(0, 1) noise shaped like ``t`` ([s, b, ...]) for micro-batch
+        ``micro`` of the pass; when ``shard_dim`` is given ``t`` is this TP rank's slice of
+        a dim ``tp`` times larger (every rank draws the full tensor and keeps its slice)."""
+        offset = self.sample_offsets[micro]
+        stream = 1 if self.mode == PROBE_BACKWARD else 2
+        full = list(t.shape)
+        if shard_dim is not None:
+            full[shard_dim] *= self.tp
+        per_sample = []
+        for b in range(t.shape[1]):
+            gen = torch.Generator().manual_seed(4 * (offset + b) + stream)
+            per_sample.append(torch.randn([full[0], *full[2:]], generator=gen,
+                                          dtype=torch.float64))
+        noise = torch.stack(per_sample, dim=1)
+        if shard_dim is not None:
+            noise = noise.narrow(shard_dim, self.tp_rank * t.shape[shard_dim], t.shape[shard_dim])
+        return noise
+
+    def _global_rms(self, t: torch.Tensor, partial: bool) -> float:
+        total = t.detach().double().square().sum().reshape(1)
+        self._tp_complete(total, partial)
+        numel = t.numel() * (self.tp if partial and self.tp > 1 else 1)
+        return float(total.sqrt()) / numel ** 0.5
+
+    def add_forward_noise(self, x: torch.Tensor) -> torch.Tensor:
+        shard = None if self.column else x.dim() - 1
+        sigma = self.noise_scale * self._global_rms(x, shard is not None)
+        noise = sigma * self.noise_like(x, shard, self._fwd_micro)
+        self._fwd_micro += 1
+        rep = 1.0 / self.tp if shard is None else 1.0
+        self.stats["noiseF"] += float(noise.square().sum()) * rep
+        return x + noise.to(x.dtype)
+
+    def add_backward_noise(self, dy: torch.Tensor) -> torch.Tensor:
+        shard = dy.dim() - 1 if self.column else None
+        sigma = self.noise_scale * self._global_rms(dy, shard is not None)
+        noise = sigma * self.noise_like(dy, shard, self._bwd_micro)
+        self._bwd_micro += 1
+        rep = 1.0 if shard is not None else 1.0 / self.tp
+        self.stats["noiseB"] += float(noise.square().sum()) / self.dp ** 2 * rep
+        return dy + noise.to(dy.dtype)
+
+    # -- end of a pass -------------------------------------------------------------------
+    def end_pass(self, weight: torch.Tensor) -> None:
+        """DP-average this pass's dw; base: weight statistics; probes: ‖g - g_base‖²."""
+        if self._dw is None:
+            return
+        if self.dp > 1:
+            dist.all_reduce(self._dw, group=parallel_state.get_data_parallel_group())
+        dw = self._dw / self.dp
+        if self.mode == BASE:
+            self._weight_stats(weight.detach().double(), dw)
+            self._g_base = dw
+        else:
+            key = "dgB" if self.mode == PROBE_BACKWARD else "dgF"
+            self.stats[key] += float((dw - self._g_base).square().sum()) / self.dp
+        self._dw = None
+
+    def _weight_stats(self, w: torch.Tensor, dw: torch.Tensor) -> None:
+        partial = not self.column
+        rep = (1.0 if self.column else 1.0 / self.tp) / self.dp
+        w_rows = self._tp_complete(_rows_sq(w), partial)
+        dw_rows = self._tp_complete(_rows_sq(dw), partial)
+        self._add("ww", w_rows, rep=rep)
+        self._add("dwdw", dw_rows, rep=rep)
+        for f in self.candidates["w"]:
+            fprop = self._tp_complete(_rows_sq(_error(w, f, 1)), partial)
+            dgrad = self._tp_complete(_rows_sq(_error(w.t(), f, -1).t()), partial)
+            self._add("ew", fprop, f, rep)
+            self._add("Lw", dw_rows * fprop, f, rep)
+            # dy columns are summed over this rank's tokens (disjoint over DP)
+            self._add("Bw", dgrad * self._dycol, f, rep * self.dp)
+
+
+class _TapInput(torch.autograd.Function):
+    """Identity on the module input that records x rows forward and dx rows backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, obs: SiteObserver) -> torch.Tensor:
+        ctx.obs = obs
+        ctx.rows = obs.input_forward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx: torch.Tensor):
+        ctx.obs.input_backward(ctx.rows, dx)
+        return dx, None
+
+
+class _ObservedGemm(torch.autograd.Function):
+    """``y = x @ w.T + b`` unquantized, with the observer's statistics and noise."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, obs: SiteObserver):
+        if obs.mode == PROBE_FORWARD and obs.noise_scale:
+            x = obs.add_forward_noise(x)
+        output = torch.matmul(x, weight.t())
+        if bias is not None:
+            output = output + bias
+        ctx.obs, ctx.use_bias = obs, bias is not None
+        ctx.save_for_backward(x, weight)
+        return output
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        obs = ctx.obs
+        if obs.mode == PROBE_BACKWARD and obs.noise_scale:
+            dy = obs.add_backward_noise(dy)
+        dx = torch.matmul(dy, weight)
+        dy2 = dy.contiguous().view(-1, dy.shape[-1])
+        x2 = x.contiguous().view(-1, x.shape[-1])
+        dw = dy2.t() @ x2
+        obs.accumulate_dw(dw)
+        if obs.mode == BASE:
+            obs.gemm_backward(x2, dy2)
+        return dx, dw, dy2.sum(0) if ctx.use_bias else None, None
