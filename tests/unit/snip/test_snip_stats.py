@@ -1,0 +1,143 @@
+"""SNIP statistics of one real megatron linear against a float64 brute-force recomputation,
+and the Theorem-4.1 variance formulas the divergences rest on against Monte Carlo."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.formats import fake_quant, get_format
+from megatron_ext.precision.layers import quantized_class
+from megatron_ext.snip.stats import BASE, PROBE_BACKWARD, PROBE_FORWARD, SiteObserver
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "precision"))
+from precision_helpers import megatron_world  # noqa: E402,F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+H, F, S, B = 128, 256, 16, 2
+CANDIDATES = {"x": ("fp8_e4m3@tile128", "fp4_e2m1@tile128"),
+              "w": ("fp8_e4m3@block128", "fp4_e2m1@block128"),
+              "dy": ("fp8_e4m3@tile128", "fp4_e2m1@tile128")}
+
+
+def _layer(base):
+    config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=F,
+                               num_attention_heads=4, add_bias_linear=False,
+                               use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    size_in, size_out = (H, F) if base is ColumnParallelLinear else (F, H)
+    kw = {"gather_output": False} if base is ColumnParallelLinear else {"input_is_parallel": True}
+    return quantized_class(base, 0, "fc1")(size_in, size_out, config=config,
+                                           init_method=torch.nn.init.normal_, bias=False,
+                                           skip_bias_add=True, **kw)
+
+
+def _q(t, name, axis):
+    return fake_quant(t, get_format(name), axis=axis)
+
+
+def _rows(t):
+    return t.double().reshape(-1, t.shape[-1]).square().sum(-1)
+
+
+def _run(layer, obs, x, r, mode=BASE):
+    obs.begin_pass(mode, [0], B)
+    layer.observer = obs
+    x = x.clone().requires_grad_(True)
+    y, _ = layer(x)
+    (y * r).sum().backward()
+    obs.end_pass(layer.weight)
+    layer.observer = None
+    return x.grad
+
+
+@pytest.mark.parametrize("base", [ColumnParallelLinear, RowParallelLinear])
+def test_statistics_equal_brute_force(base):
+    torch.manual_seed(0)
+    layer = _layer(base)
+    k = layer.weight.shape[1]
+    x, r = torch.randn(S, B, k), torch.randn(S, B, layer.weight.shape[0])
+    obs = SiteObserver("L0.fc1", layer, CANDIDATES)
+    dx = _run(layer, obs, x, r)
+    w, x2, dy = layer.weight.detach().double(), x.reshape(-1, k).double(), r.reshape(-1, r.shape[-1]).double()
+    assert torch.allclose(dx.double().reshape(-1, k), dy @ w, rtol=1e-5, atol=1e-5)  # unquantized
+    dw = dy.t() @ x2
+    st = obs.stats
+    expect = {"xx": x2.square().sum(), "ww": w.square().sum(), "dydy": dy.square().sum(),
+              "dxdx": (dy @ w).square().sum(), "dwdw": dw.square().sum()}
+    for key, value in expect.items():
+        assert st[key] == pytest.approx(float(value), rel=1e-5), key
+    for f in CANDIDATES["x"]:
+        fprop, wgrad = _q(x2.float(), f, -1).double() - x2, _q(x2.t().float(), f, -1).t().double() - x2
+        assert st["ex"][f] == pytest.approx(float(fprop.square().sum()), rel=1e-5)
+        assert st["Lx"][f] == pytest.approx(float((_rows(dy @ w) * _rows(fprop)).sum()), rel=1e-5)
+        assert st["Gx"][f] == pytest.approx(float((_rows(dy) * _rows(wgrad)).sum()), rel=1e-5)
+    for f in CANDIDATES["w"]:
+        err = _q(w.float(), f, 1).double() - w
+        assert st["ew"][f] == pytest.approx(float(err.square().sum()), rel=1e-5)
+        assert st["Lw"][f] == pytest.approx(float((_rows(dw) * _rows(err)).sum()), rel=1e-5)
+        dgrad = _q(w.t().float(), f, -1).t().double() - w
+        assert st["Bw"][f] == pytest.approx(float((_rows(dgrad) * dy.square().sum(0)).sum()),
+                                            rel=1e-5)
+    for f in CANDIDATES["dy"]:
+        dgrad = _q(dy.float(), f, -1).double() - dy
+        wgrad = _q(dy.t().float(), f, -1).t().double() - dy
+        assert st["Bdy"][f] == pytest.approx(float(dgrad.square().sum()), rel=1e-5)
+        assert st["Gdy"][f] == pytest.approx(float((_rows(wgrad) * _rows(x2)).sum()), rel=1e-5)
+
+
+def test_probes_measure_the_gradient_change_of_the_noise():
+    """Backward noise ξ on dy changes dw by exactly ξ^T x; forward noise ν on x by dy^T ν."""
+    torch.manual_seed(1)
+    layer = _layer(RowParallelLinear)
+    x, r = torch.randn(S, B, F), torch.randn(S, B, H)
+    obs = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1)
+    _run(layer, obs, x, r)
+    _run(layer, obs, x, r, PROBE_BACKWARD)
+    xi = obs.noise_like(r, None, 0) * 0.1 * float(r.square().mean().sqrt())
+    expect_b = (xi.reshape(-1, H).t() @ x.reshape(-1, F).double()).square().sum()
+    assert obs.stats["dgB"] == pytest.approx(float(expect_b), rel=1e-4)
+    assert obs.stats["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
+    _run(layer, obs, x, r, PROBE_FORWARD)
+    obs.mode = PROBE_FORWARD  # noise_like seeds the forward stream
+    nu = obs.noise_like(x, x.dim() - 1, 0) * 0.1 * float(x.square().mean().sqrt())
+    expect_f = (r.reshape(-1, H).double().t() @ nu.reshape(-1, F)).square().sum()
+    assert obs.stats["dgF"] == pytest.approx(float(expect_f), rel=1e-4)
+
+
+def test_noise_is_per_sample_and_layout_free():
+    """A sample's noise depends on its global index only: two micro-batches of one sample
+    each draw what one micro-batch of two samples draws."""
+    layer = _layer(RowParallelLinear)
+    obs = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1)
+    obs.begin_pass(PROBE_BACKWARD, [10, 11], 1)
+    t = torch.zeros(S, 1, H)
+    a, b = obs.noise_like(t, None, 0), obs.noise_like(t, None, 1)
+    obs.begin_pass(PROBE_BACKWARD, [10], 2)
+    both = obs.noise_like(torch.zeros(S, 2, H), None, 0)
+    assert torch.equal(torch.cat([a, b], dim=1), both)
+
+
+def test_variance_formulas_match_monte_carlo():
+    """The row-wise Theorem-4.1 variances behind Lx, Gdy and Bdy (divergence.py) against
+    sampling isotropic row errors with the given row norms."""
+    rng = np.random.default_rng(0)
+    m, n, k = 24, 12, 16
+    grad, x, w = rng.normal(size=(m, k)), rng.normal(size=(m, k)), rng.normal(size=(n, k))
+    row_norm = rng.uniform(0.1, 2.0, size=m)
+
+    def sample(cols):
+        d = rng.normal(size=(m, cols))
+        return d / np.linalg.norm(d, axis=1, keepdims=True) * row_norm[:, None]
+
+    draws = 20000
+    loss = np.mean([np.sum(grad * sample(k)) ** 2 for _ in range(draws)])
+    assert loss == pytest.approx(np.sum((grad ** 2).sum(1) * row_norm ** 2) / k, rel=0.05)
+    own = np.mean([np.sum((sample(n).T @ x) ** 2) for _ in range(draws // 4)])
+    assert own == pytest.approx(np.sum(row_norm ** 2 * (x ** 2).sum(1)), rel=0.05)
+    dgrad = np.mean([np.sum((sample(n) @ w) ** 2) for _ in range(draws // 4)])
+    assert dgrad == pytest.approx(np.sum(row_norm ** 2) * np.sum(w ** 2) / n, rel=0.05)
