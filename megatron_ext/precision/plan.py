@@ -126,6 +126,8 @@ def load_plan(path: str) -> PrecisionPlan:
             text = f.read()
     except OSError as exc:
         raise ValueError(f"cannot read '{path}': {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"'{path}' is not a JSON text file (not UTF-8)") from None
     try:
         return PrecisionPlan.from_json(text)
     except json.JSONDecodeError as exc:

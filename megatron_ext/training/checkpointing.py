@@ -6,8 +6,10 @@ Layout of ``--save DIR``::
     DIR/latest_checkpointed_iteration.txt
 
 A save goes to ``DIR/.tmp_iter_N`` and is renamed into place only when every rank has
-finished; the ``latest`` pointer is replaced atomically last, so a crash mid-save leaves the
-previous checkpoint and pointer untouched.
+finished (and ``checksums.json`` is written); the ``latest`` pointer is replaced atomically
+last, so a crash mid-save leaves the previous checkpoint and pointer untouched. Before a save
+every rank's step counter, data position and extension states must agree (faults); before a
+load the checksums are verified and no file may hold pickled code (checkpoint_integrity).
 
 What is saved: model and optimizer (sharded tensors: load at another TP / PP layout works),
 LR scheduler, iteration, consumed samples (the data position), the RNG states (restored only
@@ -26,7 +28,9 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
+from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
 from megatron_ext.training.errors import UsageError
+from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
 
@@ -63,7 +67,9 @@ def _restore_rng(state: dict) -> None:
 
 
 def resolve_checkpoint_dir(path: str) -> str:
-    """``--load`` accepts a save root (uses its latest pointer) or one iteration directory."""
+    """``--load`` accepts a save root (uses its latest pointer) or one iteration directory.
+    The directory is verified before anything reads it: checksums, and no pickled code
+    (checkpoint_integrity). Collective when torch.distributed is initialized."""
     if not os.path.isdir(path):
         raise UsageError(f"--load: checkpoint directory '{path}' does not exist")
     tracker = os.path.join(path, TRACKER)
@@ -75,6 +81,7 @@ def resolve_checkpoint_dir(path: str) -> str:
         path = os.path.join(path, f"iter_{int(text):07d}")
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise UsageError(f"--load: '{path}' is not a checkpoint (no {TRACKER} or metadata.json)")
+    verify_checkpoint(path)
     return path
 
 
@@ -105,6 +112,8 @@ class Checkpointer:
         return state
 
     def save(self, train_state: TrainState) -> str:
+        verify_ranks_agree(save_fingerprint(train_state, self.extra),
+                           f"the checkpoint save of step {train_state.iteration}")
         state = self._sharded_state(is_loading=False, with_rng=True)
         state.update(iteration=train_state.iteration,
                      consumed_samples=train_state.consumed_samples,
@@ -180,6 +189,7 @@ def atomic_save(state: dict, save_dir: str, iteration: int) -> str:
     dist.barrier()
     dist_checkpointing.save(state, tmp)
     dist.barrier()
+    write_manifest(tmp)  # sha256 of every file, verified on load
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

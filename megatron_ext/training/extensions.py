@@ -33,6 +33,11 @@ class Extension:
     on_step: Callable[..., dict | None] | None = None
     """``on_step(args, model, state)`` after each optimizer step; a returned dict is merged
     into that step's metrics record."""
+    on_nonfinite: Callable[..., dict | None] | None = None
+    """``on_nonfinite(args, model, state)`` on every rank after a step whose loss or
+    gradients were not finite (its update was skipped, ``state.iteration`` is that step), before
+    the next one: the place to fall offending sites back to high precision. A returned dict is
+    merged into that step's metrics record (docs/faults.md)."""
 
 
 def args_provider(extensions: list[Extension]):

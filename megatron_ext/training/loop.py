@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.data.sampler import MicroBatchIterator
+from megatron_ext.training.faults import FaultHandler, guarded_step
 
 
 @dataclass
@@ -81,11 +82,10 @@ def train_step(args, model, optimizer, scheduler, data_iterator) -> dict:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss = run_schedule(args, model, data_iterator, forward_only=False)
-    update_ok, grad_norm, _ = optimizer.step()
+    update_ok, grad_norm = guarded_step(optimizer, model, loss)  # skipped if non-finite
     if update_ok:
         scheduler.step(increment=1)
-    return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-            "skipped": not update_ok}
+    return {"loss": loss, "grad_norm": grad_norm, "skipped": not update_ok}
 
 
 @torch.no_grad()
@@ -116,9 +116,12 @@ def _memory_gib() -> dict:
     return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=()) -> TrainState:
+def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=(),
+          faults=None) -> TrainState:
     """Train ``run`` (a TrainingRun) to ``--train-iters``: validate, log and checkpoint on
-    schedule, and call each ``hook(args, model, state)`` after every step."""
+    schedule, call each ``hook(args, model, state)`` after every step, and let ``faults`` (a
+    FaultHandler) skip non-finite steps and stop on SIGTERM."""
+    faults = faults or FaultHandler.for_args(args)
     model, optimizer, scheduler, state = run.model, run.optimizer, run.scheduler, run.state
     checkpointer = run.checkpointer if args.save else None
     train_ds, valid_ds = run.datasets
@@ -128,6 +131,7 @@ def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=()) -> Trai
         chunk.train()
     if state.iteration == 0:
         _validate(args, model, valid_ds, state, logger)  # the starting point of the curve
+    faults.start(model, state)
     while state.iteration < args.train_iters:
         for pre_hook in pre_hooks:  # ``pre_hook(args, run, state)``: extra passes, plan switches
             pre_hook(args, run, state)
@@ -137,12 +141,11 @@ def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=()) -> Trai
         step_time = time.time() - start
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        if not math.isfinite(result["loss"]):
-            raise FloatingPointError(f"loss is {result['loss']} at step {state.iteration}")
-        extra = {}
+        extra = faults.after_step(args, model, state, result)
         for hook in hooks:
             extra.update(hook(args, model, state) or {})
-        if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1):
+        if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1
+                       or result["skipped"]):
             logger.train_step({
                 "step": state.iteration, "loss": result["loss"],
                 "lr": lr, "grad_norm": result["grad_norm"],
@@ -152,6 +155,7 @@ def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=()) -> Trai
         if state.iteration % args.eval_interval == 0 or last:
             _validate(args, model, valid_ds, state, logger)
         stop = bool(args.exit_interval) and state.iteration % args.exit_interval == 0
+        stop = faults.should_stop(state) or stop  # SIGTERM: save and stop like exit-interval
         if checkpointer is not None and (last or stop or _due(args.save_interval, state)):
             checkpointer.save(state)
         if stop:

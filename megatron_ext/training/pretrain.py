@@ -84,9 +84,12 @@ def _announce(family: str, args, run: TrainingRun) -> None:
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState (with
     ``--dry-run``: the DryRunReport, and nothing is started)."""
+    from megatron_ext.training.faults import FaultHandler
     from megatron_ext.training.loop import train
     from megatron_ext.training.metrics import MetricsLogger
 
+    faults = FaultHandler([e.on_nonfinite for e in extensions if e.on_nonfinite is not None])
+    extensions = [faults.extension(), *extensions]  # --max-skipped-steps, ... (docs/faults.md)
     provider = dry_run.args_provider(ext.args_provider(list(extensions)))
     simulated = dry_run.request(family, argv, provider)
     args = parse_args(family, argv, provider, simulated and simulated.world_size)
@@ -104,8 +107,9 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     hooks = [e.on_step for e in extensions if e.on_step is not None]
     pre_hooks = [e.before_step for e in extensions if e.before_step is not None]
     try:
-        return train(args, run, logger, hooks, pre_hooks=pre_hooks)
+        return train(args, run, logger, hooks, pre_hooks=pre_hooks, faults=faults)
     finally:
+        faults.close()
         if logger:
             logger.close()
 

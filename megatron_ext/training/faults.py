@@ -1,0 +1,310 @@
+"""Fault handling in the training loop: non-finite steps, rank desync, pre-emption (SIGTERM).
+
+What and why:
+
+* **Non-finite loss or gradients.** megatron-core's optimizer looks for inf/nan only when it
+  scales the loss (FP16 with a grad scaler); in FP32 and BF16 runs it would apply a NaN update
+  and ruin the weights for good. :func:`guarded_step` checks the loss and every gradient buffer,
+  agrees across ranks (one all-reduce of two numbers) and skips the optimizer step when anything
+  is non-finite: weights, Adam moments and the LR schedule stay as they were. The
+  :class:`FaultHandler` counts skipped steps (``skipped`` / ``skipped_total`` in the metrics),
+  calls every extension's ``on_nonfinite(args, model, state)`` hook (where a precision method
+  can move the offending sites to high precision, e.g. GNMR) and stops the run with a one-line
+  error after ``--max-skipped-steps`` skipped steps in a row.
+* **Rank desync.** A checkpoint holds one copy of the replicated state (iteration, consumed
+  samples, every registered extension state such as the precision plan), written by rank 0. If
+  ranks disagree, that copy is wrong for some of them. :func:`verify_ranks_agree` all-gathers a
+  few int64 fingerprints before every save and aborts every rank, naming the ranks that differ.
+* **Pre-emption.** With ``--exit-signal-handler`` (Megatron-LM's flag; on by default when
+  checkpoints are saved) SIGTERM only sets a flag; the loop all-reduces it after every step, so
+  all ranks stop after the same step, save a checkpoint and exit with status 0.
+* **Fault injection** flags (``--inject-*``) exist so that tests can exercise these paths
+  through the real entry points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing
+import multiprocessing.managers
+import signal
+
+import torch
+import torch.distributed as dist
+from megatron.core.utils import unwrap_model
+
+from megatron_ext.training.errors import UsageError
+from megatron_ext.training.extensions import Extension
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fault handling")
+    g.add_argument("--max-skipped-steps", type=int, default=10, metavar="N",
+                   help="a step whose loss or gradients are not finite is skipped (no update); "
+                        "stop the run (exit status 2) after N such steps in a row")
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
+                   help="on SIGTERM (e.g. SLURM pre-emption) finish the current step on every "
+                        "rank, save a checkpoint and exit with status 0 (default: on when "
+                        "checkpoints are saved)")
+    t = parser.add_argument_group("fault injection (for testing the fault handling)")
+    t.add_argument("--inject-nonfinite-at-step", type=int, nargs="+", default=[], metavar="K",
+                   help="make the loss, and so every gradient, NaN at these steps")
+    t.add_argument("--inject-desync-on-rank", type=int, default=None, metavar="R",
+                   help="after step 1, rank R counts one consumed sample more than the others "
+                        "(the next checkpoint save must catch it)")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Range checks; resolves the ``--exit-signal-handler`` default from ``--save``."""
+    if args.max_skipped_steps < 1:
+        raise UsageError("--max-skipped-steps must be >= 1")
+    if any(step < 1 for step in args.inject_nonfinite_at_step):
+        raise UsageError("--inject-nonfinite-at-step: steps are numbered from 1")
+    rank = args.inject_desync_on_rank
+    if rank is not None and not 0 <= rank < args.world_size:
+        raise UsageError(f"--inject-desync-on-rank {rank}: the world has ranks "
+                         f"0-{args.world_size - 1}")
+    if args.exit_signal_handler is None:
+        args.exit_signal_handler = bool(args.save)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+def _grad_tensors(model: list) -> list[torch.Tensor]:
+    """This rank's gradients: megatron DDP's contiguous grad buffers, else each parameter's."""
+    grads = []
+    for chunk in model:
+        buffers = getattr(chunk, "buffers", None)
+        if isinstance(buffers, list):
+            grads += [b.grad_data for b in buffers + getattr(chunk, "expert_parallel_buffers", [])]
+            continue
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                grads.append(g)
+    return grads
+
+
+def local_grads_finite(model: list) -> bool:
+    """True if every gradient element on this rank is finite. One sum per buffer: a sum is
+    non-finite exactly when an element is (or when it overflows FP32, which clipping could
+    not survive either), and it needs no temporary as large as the buffer."""
+    sums = [g.sum(dtype=torch.float32) for g in _grad_tensors(model)]
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
+
+
+def guarded_step(optimizer, model: list, loss: float) -> tuple[bool, float]:
+    """The optimizer step, unless the loss or any rank's gradients are non-finite: then no
+    update at all. Collective (all ranks agree). Returns (update_ok, grad_norm)."""
+    bad = torch.tensor([not math.isfinite(loss) or not local_grads_finite(model)],
+                       dtype=torch.int32, device=_device())
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        return False, math.nan
+    update_ok, grad_norm, _ = optimizer.step()
+    return update_ok, float(grad_norm) if grad_norm is not None else math.nan
+
+
+class FaultHandler:
+    """One run's fault state: skipped-step counters (checkpointed), the SIGTERM flag, the
+    fault injection hooks. Built by :func:`megatron_ext.training.pretrain.pretrain`."""
+
+    def __init__(self, on_nonfinite=()):
+        self.on_nonfinite = list(on_nonfinite)
+        self.args: argparse.Namespace | None = None
+        self.consecutive = 0
+        self.total = 0
+        self.signalled = False
+        self._abort: str | None = None
+        self._state = None
+        self._previous_handler = None
+        self._hook_handles = []
+
+    @classmethod
+    def for_args(cls, args: argparse.Namespace) -> "FaultHandler":
+        handler = cls()
+        handler.configure(args)
+        return handler
+
+    def configure(self, args: argparse.Namespace) -> None:
+        validate_args(args)
+        self.args = args
+
+    def extension(self) -> Extension:
+        """The flags, their validation and the checkpointed counters, as an Extension."""
+        return Extension(name="faults", add_arguments=add_arguments, validate=self.configure,
+                         after_setup=self.after_setup)
+
+    def after_setup(self, args, model, checkpointer) -> None:
+        checkpointer.register("faults", self)
+
+    def state_dict(self) -> dict:
+        return {"skipped_total": self.total, "skipped_in_a_row": self.consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total = int(state.get("skipped_total", 0))
+        self.consecutive = int(state.get("skipped_in_a_row", 0))
+
+    def start(self, model: list, state) -> None:
+        """Training begins: install the SIGTERM handler and the injection hook (if asked)."""
+        self._state = state
+        if self.args.exit_signal_handler:
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            if self.args.save:
+                _start_writer_queue_ignoring_sigterm()
+        if self.args.inject_nonfinite_at_step:
+            self._hook_handles = [m.register_forward_hook(self._poison)
+                                  for m in unwrap_model(model) if getattr(m, "post_process", 1)]
+
+    def close(self) -> None:
+        """Restore the previous SIGTERM handler and remove the injection hooks."""
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.signalled = True  # acted on after the current step (no I/O inside a handler)
+
+    def _poison(self, module, inputs, output):
+        """Forward hook on the last stage: the per-token losses become NaN at the chosen
+        steps, so the loss and, through backward, every gradient are NaN."""
+        if module.training and self._state.iteration + 1 in self.args.inject_nonfinite_at_step:
+            return output * float("nan")
+        return output
+
+    def after_step(self, args, model, state, result: dict) -> dict:
+        """Count a skipped step and call the ``on_nonfinite`` hooks; after too many in a row,
+        :meth:`should_stop` aborts (once the step is logged). Returns the step's fault metrics.
+        Every rank sees the same ``result["skipped"]``."""
+        self._inject_desync(state)
+        if not result["skipped"]:
+            self.consecutive = 0
+            return {"skipped": False, "skipped_total": self.total}
+        self.consecutive += 1
+        self.total += 1
+        metrics = {"skipped": True, "skipped_total": self.total}
+        for hook in self.on_nonfinite:
+            metrics.update(hook(args, model, state) or {})
+        self._report_skip(state, result["loss"])
+        if self.consecutive >= args.max_skipped_steps:
+            first = state.iteration - self.consecutive + 1
+            self._abort = (f"training stopped: {self.consecutive} steps in a row (steps "
+                           f"{first}-{state.iteration}) had a non-finite loss or gradients and "
+                           f"were skipped (--max-skipped-steps {args.max_skipped_steps})")
+        return metrics
+
+    def _report_skip(self, state, loss: float) -> None:
+        if _rank() == 0:
+            print(f"step {state.iteration}: non-finite loss or gradients (loss {loss}): update "
+                  f"skipped ({self.consecutive} in a row, {self.total} in total, stop at "
+                  f"--max-skipped-steps {self.args.max_skipped_steps})", flush=True)
+
+    def _inject_desync(self, state) -> None:
+        if self.args.inject_desync_on_rank == _rank() and state.iteration == 1:
+            state.consumed_samples += 1
+
+    def should_stop(self, state) -> bool:
+        """End of a step: ``UsageError`` (abort, no checkpoint) after too many non-finite steps
+        in a row; True (save and stop) if any rank got SIGTERM. With the signal handler on this
+        is collective (one all-reduce of one number), so all ranks stop after the same step."""
+        if self._abort:
+            raise UsageError(self._abort)
+        if not self.args.exit_signal_handler:
+            return False
+        flag = torch.tensor([int(self.signalled)], dtype=torch.int32, device=_device())
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and _rank() == 0:
+            then = "saving a checkpoint and exiting" if self.args.save \
+                else "exiting (no checkpoint: --no-save)"
+            print(f"received SIGTERM: stopping after step {state.iteration}, {then}", flush=True)
+        return bool(flag.item())
+
+
+def _start_writer_queue_ignoring_sigterm() -> None:
+    """megatron's checkpoint writer reports through a queue served by a multiprocessing
+    Manager process, started at the first save. SLURM signals every process of a job step, so
+    SIGTERM would kill that server and the pre-emption save would fail (seen: BrokenPipeError).
+    Start it now, ignoring SIGTERM (it still ends with the trainer). A megatron-core without
+    this module-level queue is left alone."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        return  # already started, or another megatron-core version
+    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_IGN))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
+# ---------------------------------------------------------------- rank desync
+
+def _state_hash(state) -> int:
+    """A signed int64 naming ``state`` (a replicated extension state dict) by content."""
+
+    def canonical(obj):
+        if torch.is_tensor(obj):
+            obj = obj.detach().cpu().contiguous()
+            return f"tensor:{obj.dtype}:{tuple(obj.shape)}:" + \
+                hashlib.sha256(obj.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return repr(obj)
+
+    text = json.dumps(state, sort_keys=True, default=canonical)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def save_fingerprint(train_state, extra: dict) -> dict[str, int]:
+    """What every rank must agree on before a checkpoint save: the step counter, the data
+    position, and a hash of each registered extension state (the precision plan, ...)."""
+    fields = {"iteration": train_state.iteration,
+              "consumed_samples": train_state.consumed_samples}
+    for name, provider in sorted(extra.items()):
+        fields[f"{name} state"] = _state_hash(provider.state_dict())
+    return fields
+
+
+def desync_message(names: list[str], rows: list[list[int]], where: str) -> str | None:
+    """One line naming each field on which ranks differ from rank 0 (and those ranks), or
+    None if all rows agree. ``rows[r]`` holds rank r's values in ``names`` order."""
+    problems = []
+    for i, name in enumerate(names):
+        ranks = [r for r, row in enumerate(rows) if row[i] != rows[0][i]]
+        if not ranks:
+            continue
+        shown = ", ".join(f"rank {r}: {rows[r][i]}" for r in [0, *ranks[:3]])
+        values = "" if name.endswith(" state") else f" ({shown})"
+        problems.append(f"{name} differs on rank(s) {', '.join(map(str, ranks))}{values}")
+    if not problems:
+        return None
+    return f"rank desync at {where}: {'; '.join(problems)} -- stopping all ranks"
+
+
+def verify_ranks_agree(fields: dict[str, int], where: str) -> None:
+    """All-gather ``fields`` (name -> int64) from every rank; ``UsageError`` on every rank,
+    naming the ranks that differ from rank 0, if they do not all hold the same values."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=_device())
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    message = desync_message(list(fields), [t.tolist() for t in gathered], where)
+    if message:
+        raise UsageError(message)
