@@ -102,9 +102,9 @@ def assemble(args, req) -> DryRunReport:
 
 
 def _activation_formula(layout) -> str:
-    scores = "" if layout.flash_attention else " + 5·a·s/h"
+    per_token = "34" if layout.flash_attention else "(34 + 5·a·s/h)"
     if layout.tp == 1 or layout.sequence_parallel:
-        return f"s·b·h·(34{scores})" + ("/t" if layout.tp > 1 else "")
+        return f"s·b·h·{per_token}" + ("/t" if layout.tp > 1 else "")
     return "s·b·h·(10 + 24/t" + ("" if layout.flash_attention else " + 5·a·s/(h·t)") + ")"
 
 
@@ -112,8 +112,12 @@ def _notes(args, req, layout, vocab: int) -> list[str]:
     """Assumptions behind the numbers, one line each (formulas: ``estimates.py``)."""
     per_layer = est.layer_activation_bytes(args.hidden_size, args.num_attention_heads, layout)
     zero = f" / DP {layout.dp}" if layout.distributed_optimizer or layout.fsdp else ""
-    attention = ("fused attention keeps no s x s scores" if layout.flash_attention else
-                 "the s x s scores kept by megatron-core's local attention (5·a·s/h) included")
+    impl = est.assumed_impl(args)
+    if args.transformer_impl == "auto":
+        impl += " (--transformer-impl auto on a GPU node with Transformer Engine)"
+    attention = (f"layers {impl}: its fused attention keeps no s x s scores"
+                 if layout.flash_attention else f"layers {impl}: the s x s scores of "
+                 "megatron-core's local attention (5·a·s/h) included")
     out = [
         f"simulated {args.world_size} ranks in one process (torch fake process group); "
         f"parameters from the real megatron-core modules on the meta device; vocabulary "

@@ -32,7 +32,7 @@ micro-batch, ``h`` hidden size, ``a`` attention heads, ``t`` TP size, in bytes::
 
 ``5·a·s/h`` is the attention core's ``s × s`` scores (softmax output, dropout mask, ...).
 megatron-core's local ``DotProductAttention`` stores them; Transformer Engine's fused (flash)
-attention does not, so the term is dropped for ``--transformer-impl transformer_engine``.
+attention does not, so the term is dropped when the job runs TE layers (:func:`assumed_impl`).
 The 34 is derived for a GPT-3 layer (4h GeLU MLP, multi-head attention, dropout masks); for
 Llama (SwiGLU, GQA, no dropout) it is an approximation. The last stage also keeps the FP32
 logits for the loss, ``4·s·b·v/t`` bytes (Korthikanti §4.3; ``v`` the padded vocabulary).
@@ -69,6 +69,16 @@ from megatron_ext.precision.sites import GEMM_ROLES, SITES, site_id
 
 GIB = 2.0**30
 """Bytes in a GiB."""
+
+
+def assumed_impl(args) -> str:
+    """The layer implementation the GPU job will get. ``auto`` is resolved as on a GPU node
+    with Transformer Engine installed (the NGC image of ``Dockerfile``): TE, unless per-layer
+    precision (``--precision`` / ``--precision-plan``) needs megatron-core's local layers."""
+    if args.transformer_impl != "auto":
+        return args.transformer_impl
+    per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
+    return "local" if per_layer else "transformer_engine"
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,7 @@ class Layout:
                    bool(args.sequence_parallel), bool(args.bf16),
                    bool(args.use_distributed_optimizer),
                    bool(args.use_torch_fsdp2 or args.use_megatron_fsdp),
-                   args.transformer_impl == "transformer_engine")
+                   assumed_impl(args) == "transformer_engine")
 
 
 @dataclass(frozen=True)

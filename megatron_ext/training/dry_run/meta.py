@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ def fake_world(world_size: int, rank: int, args):
     from megatron.core import parallel_state
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
 
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank<r>]" to tracebacks
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         parallel_state.initialize_model_parallel(
@@ -75,6 +77,7 @@ def fake_world(world_size: int, rank: int, args):
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def stage_first_ranks(args) -> list[int]:

@@ -98,7 +98,7 @@ def _row(s: StageReport, limit: float) -> list[str]:
             _count(s.params.distinct), str(s.sites), f"{s.linear_flops / 1e15:.1f}",
             f"{100 * s.fp4_fraction:.0f}%", *(f"{x / GIB:.1f}" for x in
             (m.weights, m.grads, m.optimizer, m.activations)), f"{m.total / GIB:.1f}{over}",
-            str(s.in_flight), f"{1e3 * s.seconds:.0f}"]
+            str(s.in_flight), f"{1e3 * s.seconds:.3g}"]
 
 
 def _table(rows: list[list[str]]) -> list[str]:

@@ -161,3 +161,12 @@ def test_current_plan_of_snip_is_the_ilp_choice():
     assert plan.formats("L0.fc1").x == "fp4_e2m1@tile128" and plan.budget == 0.5
     assert current_plan(argparse.Namespace(precision=None, precision_plan=None), {}, 0.5) \
         is None
+
+
+def test_auto_impl_is_resolved_as_on_a_gpu_node_with_te():
+    args = argparse.Namespace(transformer_impl="auto", precision=None, precision_plan=None)
+    assert est.assumed_impl(args) == "transformer_engine"
+    args.precision = "uniform:fp8"  # quantized linears need megatron-core's local layers
+    assert est.assumed_impl(args) == "local"
+    args.transformer_impl = "local"
+    assert est.assumed_impl(args) == "local"
