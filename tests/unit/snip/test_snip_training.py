@@ -1,0 +1,89 @@
+"""``--precision snip`` through the real entry point: refresh files, the plan applied at the
+step fixed in advance, the offline tool on the refresh's problem, a resume between a refresh
+and its apply step reproducing the uninterrupted run, and bad SNIP flags."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.precision.plan import load_plan
+from megatron_ext.snip.problem import Problem
+from pretrain_runner import FAST_ARGS, REPO, launch, read_metrics, train_losses
+
+SNIP = ["--precision", "snip", "--snip-budget", "0.5", "--snip-start", "2",
+        "--snip-interval", "3", "--snip-apply-lag", "2"]
+
+
+@pytest.fixture(scope="module")
+def snip_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("snip") / "run"
+    launch([*FAST_ARGS, *SNIP, "--train-iters", "8", "--no-save", "--run-dir", str(run_dir)])
+    return run_dir
+
+
+def test_refreshes_write_statistics_divergences_problem_and_plan(snip_run):
+    refreshes = sorted(p.name for p in (snip_run / "snip").iterdir())
+    assert refreshes == ["step_000002", "step_000005"]
+    out = snip_run / "snip" / "step_000002"
+    plan = load_plan(str(out / "plan.json"))
+    assert plan.method == "snip" and plan.step == 2 and plan.budget == 0.5
+    solution = json.loads((out / "solution.json").read_text())
+    assert solution["status"] == "optimal" and solution["fp4_fraction"] >= 0.5 - 1e-9
+    div = json.loads((out / "divergence.json").read_text())
+    assert len(div["options"]) == 8 and len(div["sites"]) == 16
+    assert all(v["q"] > 0 and v["dL"] > 0 and v["dW"] > 0
+               for site in div["sites"].values() for v in site.values())
+    problem = Problem.load(str(out / "problem.json"))
+    assert len(problem.sites) == 16 and problem.meta["step"] == 2
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["adam"]["step"] == 3 and stats["loss"] > 0
+
+
+def test_plan_switches_at_the_apply_step(snip_run):
+    records = [r for r in read_metrics(snip_run) if "loss" in r]
+    hashes = [r["precision_plan"] for r in records]
+    fp4 = [r["fp4_flop_frac"] for r in records]
+    # safe plan (all FP8) for steps 1-4; refresh before step 3 applies before step 5
+    assert len(set(hashes[:4])) == 1 and fp4[:4] == [0.0] * 4
+    assert hashes[4] != hashes[3] and all(f >= 0.5 - 1e-9 for f in fp4[4:])
+    assert [r.get("snip_refresh") for r in records][2] == 2
+    plan = load_plan(str(snip_run / "snip" / "step_000002" / "plan.json"))
+    assert hashes[4] == plan.replace(stage_fp4_frac=[fp4[4]]).hash[:12]
+
+
+def test_offline_tool_resolves_the_refresh_problem(snip_run, tmp_path):
+    problem = snip_run / "snip" / "step_000002" / "problem.json"
+    out = tmp_path / "plan.json"
+    subprocess.run([sys.executable, str(REPO / "tools" / "snip_analyze.py"), "--problem",
+                    str(problem), "--budget", "0.75", "--out", str(out)], check=True,
+                   capture_output=True, cwd=REPO)
+    assert json.loads(out.read_text())["fp4_fraction"] >= 0.75 - 1e-9
+
+
+def test_resume_between_refresh_and_apply_reproduces_the_run(tmp_path):
+    args = [*FAST_ARGS, *SNIP[:4], "--snip-start", "3", "--snip-interval", "0",
+            "--snip-apply-lag", "3"]
+    launch([*args, "--train-iters", "8", "--no-save", "--run-dir", str(tmp_path / "full")])
+    ckpt = str(tmp_path / "ckpt")
+    launch([*args, "--train-iters", "8", "--save", ckpt, "--exit-interval", "4",
+            "--run-dir", str(tmp_path / "first")])
+    launch([*args, "--train-iters", "8", "--load", ckpt, "--no-save",
+            "--run-dir", str(tmp_path / "second")])
+    full, second = train_losses(tmp_path / "full"), train_losses(tmp_path / "second")
+    assert sorted(second) == [5, 6, 7, 8]
+    assert [second[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--snip-budget", "1.5"], "--snip-budget"),
+    (["--snip-candidates", "fp8,nope"], "--snip-candidates"),
+    (["--snip-apply-lag", "0"], "--snip-apply-lag"),
+    (["--keep-first-last-layers-bf16", "1"], "chooses every site itself"),
+])
+def test_bad_snip_flags_are_one_line_errors(flags, message):
+    proc = launch([*FAST_ARGS, "--precision", "snip", *flags, "--train-iters", "2",
+                   "--no-save"], check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
