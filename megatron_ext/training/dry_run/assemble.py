@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from megatron_ext.precision.cost import ModelShape, flop_report
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.training.dry_run import estimates as est
@@ -85,7 +87,9 @@ def assemble(args, req) -> DryRunReport:
     _check_impl(args)
     padded = model.padded_vocab_size(unpadded_vocab(args), args)
     layout, shape = est.Layout.from_args(args), ModelShape.from_args(args)
+    start = time.perf_counter()
     stages = build_stages(args, padded)
+    build_seconds = time.perf_counter() - start
     ilp, choice = solve_for_shape(args, padded)
     plan = current_plan(args, choice, ilp.budget)
     formats_of = plan.formats if plan is not None else (lambda sid: SiteFormats())
@@ -97,7 +101,7 @@ def assemble(args, req) -> DryRunReport:
         _header(args, layout), total, reports,
         plan.method if plan is not None else "none: BF16 GEMMs", est.bubble_fraction(layout),
         step, args.global_batch_size * args.seq_length / step,
-        args.dry_run_gpu_memory_gib * est.GIB, snip_sizes(args), ilp,
+        args.dry_run_gpu_memory_gib * est.GIB, build_seconds, snip_sizes(args), ilp,
         _notes(args, req, layout, padded))
 
 
@@ -114,7 +118,8 @@ def _notes(args, req, layout, vocab: int) -> list[str]:
     zero = f" / DP {layout.dp}" if layout.distributed_optimizer or layout.fsdp else ""
     impl = est.assumed_impl(args)
     if args.transformer_impl == "auto":
-        impl += " (--transformer-impl auto on a GPU node with Transformer Engine)"
+        impl += (" (auto, as on a GPU node with Transformer Engine)" if impl != "local" else
+                 " (auto: per-layer precision needs megatron-core's local layers)")
     attention = (f"layers {impl}: its fused attention keeps no s x s scores"
                  if layout.flash_attention else f"layers {impl}: the s x s scores of "
                  "megatron-core's local attention (5·a·s/h) included")

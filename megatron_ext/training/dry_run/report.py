@@ -51,6 +51,8 @@ class DryRunReport:
     """Global batch tokens / step time."""
     gpu_bytes: float
     """Memory of one GPU (``--dry-run-gpu-memory-gib``) the stages are compared with."""
+    build_seconds: float
+    """Wall seconds to build every stage on the meta device."""
     snip: SnipSizes
     """SNIP's per-refresh statistics and collectives."""
     ilp: IlpRun
@@ -112,7 +114,8 @@ def _summary(r: DryRunReport) -> list[str]:
            else f"every stage fits in {r.gpu_bytes / GIB:.0f} GiB")
     ilp, snip = r.ilp, r.snip
     return [
-        f"parameters: {r.total_params:,} ({_count(r.total_params)}); memory: {fit}",
+        f"parameters: {r.total_params:,} ({_count(r.total_params)}; {len(r.stages)} stages "
+        f"built on the meta device in {r.build_seconds:.1f} s); memory: {fit}",
         f"time (plan {r.plan}): step {r.step_seconds:.2f} s, bubble {100 * r.bubble:.2f}%, "
         f"{r.tokens_per_second:,.0f} tokens/s",
         f"SNIP refresh: {snip.sites} sites x {snip.options} options; statistics per GPU "
