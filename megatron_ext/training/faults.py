@@ -31,6 +31,7 @@ import math
 import multiprocessing
 import multiprocessing.managers
 import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -106,9 +107,19 @@ def local_grads_finite(model: list) -> bool:
     return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
+def _has_grad_scaler(optimizer) -> bool:
+    """FP16 loss scaling: megatron checks for inf/nan itself and must see the overflow to
+    lower the scale, so its own ``step`` decides."""
+    return any(getattr(opt, "grad_scaler", None) is not None
+               for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def guarded_step(optimizer, model: list, loss: float) -> tuple[bool, float]:
     """The optimizer step, unless the loss or any rank's gradients are non-finite: then no
     update at all. Collective (all ranks agree). Returns (update_ok, grad_norm)."""
+    if _has_grad_scaler(optimizer):
+        update_ok, grad_norm, _ = optimizer.step()
+        return update_ok, float(grad_norm) if update_ok and grad_norm is not None else math.nan
     bad = torch.tensor([not math.isfinite(loss) or not local_grads_finite(model)],
                        dtype=torch.int32, device=_device())
     if dist.is_initialized():
@@ -162,7 +173,7 @@ class FaultHandler:
     def start(self, model: list, state) -> None:
         """Training begins: install the SIGTERM handler and the injection hook (if asked)."""
         self._state = state
-        if self.args.exit_signal_handler:
+        if self.args.exit_signal_handler and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             if self.args.save:
                 _start_writer_queue_ignoring_sigterm()

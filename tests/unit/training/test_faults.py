@@ -82,6 +82,13 @@ def test_guarded_step(loss, grads, stepped):
     assert grad_norm == 0.5 if stepped else math.isnan(grad_norm)
 
 
+def test_fp16_loss_scaling_is_left_to_megatron():
+    optimizer = RecordingOptimizer()
+    optimizer.grad_scaler = object()  # megatron finds the overflow and lowers the scale itself
+    guarded_step(optimizer, _model_with_grads(math.nan, 1.0), math.nan)
+    assert optimizer.steps == 1
+
+
 def test_skips_are_counted_reported_and_stop_the_run():
     calls = []
 
