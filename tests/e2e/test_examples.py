@@ -8,7 +8,6 @@ each script that way with a stand-in ``python`` first on PATH that only records 
 dry-run report. One example is also run end to end as a user would.
 """
 
-import json
 import os
 import runpy
 import subprocess
