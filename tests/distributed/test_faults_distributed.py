@@ -68,10 +68,10 @@ def test_rank_desync_aborts_every_rank_before_saving(tmp_path):
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     save, run_dir = tmp_path / "ckpt", tmp_path / "run"
     proc = _start([str(REPO / "pretrain_llama.py"), *FAST_ARGS, "--train-iters", "1000",
-                   "--save-interval", "2", "--run-dir", str(run_dir), "--save", str(save)],
+                   "--save-interval", "1", "--run-dir", str(run_dir), "--save", str(save)],
                   tmp_path / "run.log")
     try:
-        _wait_for(lambda: _latest(save) >= 2, proc)  # the writer's helper processes are up
+        _wait_for(lambda: _latest(save) >= 1, proc)  # the writer's helper processes are up
         os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: every process of the job step
         returncode = proc.wait(timeout=120)
     finally:
@@ -80,7 +80,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert returncode == 0, log[-3000:]
     stopped = _logged_steps(run_dir)
     assert f"received SIGTERM: stopping after step {stopped}, saving a checkpoint" in log
-    assert 2 <= stopped < 1000 and _latest(save) == stopped
+    assert 1 <= stopped < 1000 and _latest(save) == stopped
     launch([*FAST_ARGS, "--train-iters", str(stopped + 1), "--run-dir",
             str(tmp_path / "resumed"), "--no-save", "--load", str(save)])
     assert sorted(train_losses(tmp_path / "resumed")) == [stopped + 1]
@@ -142,18 +142,18 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
     script.write_text(PAUSE_IN_SECOND_SAVE)
     monkeypatch.setenv("SAVE_PAUSED_MARKER", str(marker))
     save = tmp_path / "ckpt"
-    train = [*FAST_ARGS, "--train-iters", "4", "--save-interval", "2", "--save", str(save)]
+    train = [*FAST_ARGS, "--train-iters", "2", "--save-interval", "1", "--save", str(save)]
     proc = _start([str(script), *train, "--run-dir", str(tmp_path / "run")], tmp_path / "run.log")
     try:
         _wait_for(marker.exists, proc)
     finally:
         _kill_group(proc)  # SIGKILL to the trainer and the writer's helper processes
     assert proc.returncode == -signal.SIGKILL
-    assert _latest(save) == 2 and not (save / "iter_0000004").exists()
-    assert list((save / ".tmp_iter_0000004").iterdir())  # the half-done save is there
+    assert _latest(save) == 1 and not (save / "iter_0000002").exists()
+    assert list((save / ".tmp_iter_0000002").iterdir())  # the half-done save is there
     launch([*train, "--run-dir", str(tmp_path / "resumed"), "--load", str(save)])
-    assert sorted(train_losses(tmp_path / "resumed")) == [3, 4]
-    assert _latest(save) == 4 and not (save / ".tmp_iter_0000004").exists()
+    assert sorted(train_losses(tmp_path / "resumed")) == [2]
+    assert _latest(save) == 2 and not (save / ".tmp_iter_0000002").exists()
 
 
 @pytest.fixture(scope="module")
