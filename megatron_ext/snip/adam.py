@@ -7,17 +7,20 @@ element, is
     ∂h/∂g = α c · A,   A = (1-β1)/(√v_t+ε) - (1-β2)·m_t·g / (√v_t (√v_t+ε)²),
     c = √(1-β2^t)/(1-β1^t),
 
-so (Theorem 4.1) a gradient error ``δg`` moves the weight by about
-``α c ‖A‖_F ‖δg‖_F / √(NK)``. After a normal optimizer step this module reads ``m_t``, ``v_t``
-and ``g`` from megatron's optimizer state and returns ``‖A‖_F²`` per site weight (a sum over
-the elements this rank's optimizer owns: with the distributed optimizer shards are disjoint
-over DP, otherwise the state is replicated and counted 1/DP), plus ``α``, ``β1``, ``β2``,
-``t``, ``ε``.
+so a gradient error ``δg`` moves the weight by ``α c ‖A ⊙ δg‖_F``. The paper bounds this by
+``α c ‖A‖_F ‖δg‖_F / √(NK)`` (Theorem 4.1, isotropic ``δg``); we keep ``A`` element-wise,
+because ``A`` is largest exactly where ``v`` and hence ``g`` and its error are smallest, and
+the isotropic product then overstates some sites by orders of magnitude
+(:mod:`megatron_ext.snip.divergence`). After a normal optimizer step this module reads
+``m_t``, ``v_t`` and ``g`` from megatron's optimizer state and returns ``A²`` shaped like
+each site's local weight shard (with the distributed optimizer each DP rank holds a slice:
+the slices are summed over DP), plus ``α``, ``β1``, ``β2``, ``t``, ``ε``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 
@@ -37,36 +40,73 @@ def _groups(optimizer):
             yield opt, [(groups, groups)], False
 
 
-def _a_term(main: torch.Tensor, state: dict, beta1: float, beta2: float, eps: float):
-    m, v, g = state["exp_avg"].double(), state["exp_avg_sq"].double(), main.grad.double()
+def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torch.Tensor:
+    """``A²`` (module docstring) from the stacked ``(m_t, v_t, g)``."""
+    m, v, g = mvg
     root = v.sqrt()
     a = (1 - beta1) / (root + eps) - (1 - beta2) * m * g / (root.clamp(min=1e-30)
                                                            * (root + eps) ** 2)
-    return float(a.square().sum())
+    return a.square()
 
 
-def adam_terms(optimizer, site_of_param: dict[int, str]) -> tuple[dict[str, float], dict]:
-    """``({site: ‖A‖² share of this rank}, {"lr", "beta1", "beta2", "step", "eps"})``.
+def _shard_range(opt, model_param) -> tuple[int, int]:
+    return opt._get_model_param_range_map(model_param)["param"]
 
-    ``site_of_param`` maps ``id(weight)`` of each site's model parameter to its site id.
+
+def adam_terms(optimizer, site_params: dict) -> tuple[dict, dict]:
+    """``({site: A² like the site's local weight},
+    {"lr", "beta1", "beta2", "step", "eps"})``.
+
+    ``site_params`` maps each local site id to its model parameter (the weight).
     """
-    sums: dict[str, float] = {}
+    site_of = {id(p): sid for sid, p in site_params.items()}
+    out: dict[str, torch.Tensor] = {}
+    sharded = False
     hyper = None
-    dp = parallel_state.get_data_parallel_world_size()
     for opt, pairs, distributed in _groups(optimizer):
         inner = opt.optimizer
         group = inner.param_groups[0]
         beta1, beta2 = group["betas"]
+        sharded = sharded or distributed
         for model_groups, main_groups in pairs:
             for model_group, main_group in zip(model_groups, main_groups):
                 for model_param, main in zip(model_group, main_group):
-                    site = site_of_param.get(id(model_param))
+                    site = site_of.get(id(model_param))
                     state = inner.state.get(main)
                     if site is None or not state or main.grad is None:
                         continue
-                    share = _a_term(main, state, beta1, beta2, group["eps"])
-                    sums[site] = sums.get(site, 0.0) + share * (1.0 if distributed else 1 / dp)
-                    step = state.get("step", 0)
+                    mvg = torch.stack([state["exp_avg"].double(),
+                                       state["exp_avg_sq"].double(), main.grad.double()])
+                    if distributed:  # this rank's slice of the flattened weight
+                        full = out.setdefault(site, torch.zeros(
+                            3, model_param.numel(), dtype=torch.float64, device=mvg.device))
+                        start, end = _shard_range(opt, model_param)
+                        full[:, start:end] = mvg.reshape(3, -1)
+                    else:
+                        out[site] = mvg.view(3, *model_param.shape)
                     hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2,
-                             "eps": group["eps"], "step": float(step)}
-    return sums, hyper or {}
+                             "eps": group["eps"], "step": float(state.get("step", 0))}
+    if sharded:
+        out = _sum_shards(out, site_params)
+    hyper = _agree(hyper)
+    return {sid: a_squared(mvg, hyper["beta1"], hyper["beta2"], hyper["eps"])
+            for sid, mvg in out.items()}, hyper
+
+
+def _sum_shards(out: dict, site_params: dict) -> dict:
+    """Every DP rank adds its slices of every site (all ranks, same order: no deadlock)."""
+    group = parallel_state.get_data_parallel_group()
+    result = {}
+    for sid in sorted(site_params):
+        p = site_params[sid]
+        full = out.get(sid, torch.zeros(3, p.numel(), dtype=torch.float64, device=p.device))
+        dist.all_reduce(full, group=group)
+        result[sid] = full.view(3, *p.shape)
+    return result
+
+
+def _agree(hyper: dict | None) -> dict:
+    """The hyper-parameters from a rank that has them (a rank may own no site's state)."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, hyper)
+    return next((h for h in found if h), {})

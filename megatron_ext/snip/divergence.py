@@ -31,20 +31,31 @@ perturbed:
       e_F² = ‖δx‖² ‖w‖² / K + ‖x‖² ‖δw‖² / K                  = ex ww / K + xx ew / K
 
 How ``e_B`` and ``e_F`` reach site ``l``'s gradient is the second-order term
-``‖∇_{X_j} g_l‖`` of §4.3.1, estimated by Theorem 4.2 from the probes: noise of norm ``ε``
-injected at the top of the network in backward (step 2) or forward (step 3) changes ``g_l``
-by ``‖Δg_l‖``, so ``G(l) = ‖Δg_l‖ / ε`` is the gain from the top to ``g_l``. **Our
-approximation**: a perturbation entering at site ``j`` reaches the sites below with the same
-gain as one entering at the top (the residual stream carries gradients and activations past
-every layer at unit gain; layer-norm and attention gains are not modelled)::
+``‖∇_{X_j} g_l‖`` of §4.3.1. Two paths, two estimates:
 
-      ‖δg_l‖² = [l = j] ‖δg_j‖²_own + [l < j] e_B² G_B(l)² + [l <= j] e_F² G_F(l)²
+* **within the layer** the dgrad error of ``fc2`` is the ``dy`` error of ``fc1`` (through the
+  SwiGLU backward), that of ``proj`` the ``dy`` error of ``qkv`` (through attention). We
+  carry it over as a *relative* error ``ρ_j² = e_B² / ‖dx_j‖²`` of the predecessor's ``dy``,
+  whose AdamW-weighted response is ``ρ_j² · UU_pred``;
+* **to the layers below**, through the residual stream, Theorem 4.2 on the probes: noise
+  sent down from the top in backward (step 2, ``‖ξ·w‖``) or forward (step 3, ``‖ν‖``)
+  changes ``g_l`` by ``Δg_l``; ``GA(l)² = ‖A_l ⊙ Δg_l‖² / ε²`` is the gain from the top.
+  **Our approximation**: an error entering at site ``j`` reaches the sites below with the
+  same gain as one entering at the top (the residual stream carries it past every layer at
+  unit gain; layer-norm and attention gains are not modelled).
 
-(``l < j``: earlier in the forward order of layers and sites).
+**Weight divergence** (§4.3.2, Definition 4.4) through AdamW's derivative ``α c A``
+(:mod:`megatron_ext.snip.adam`), kept element-wise::
 
-**Weight divergence** (§4.3.2, Definition 4.4) through AdamW's derivative ``α c A``::
+      ΔW = (1/S) Σ_l α c ‖A_l ⊙ δg_l‖ / ‖W_l‖,   c = √(1-β2^t)/(1-β1^t)
 
-      ΔW = (1/S) Σ_l α c ‖A_l‖ ‖δg_l‖ / (√(N_l K_l) ‖W_l‖),   c = √(1-β2^t)/(1-β1^t)
+The paper writes ``‖A ⊙ δg‖ ≈ ‖A‖ ‖δg‖ / √(NK)`` (isotropic ``δg``); that overstates sites
+whose ``A`` is dominated by a few weights with ``v ≈ 0`` (and ``g ≈ 0``). Instead each part of
+``δg`` is weighted by ``A²`` where it lands: the own wgrad error row- and column-wise
+(``WGdy + WGx``, :mod:`megatron_ext.snip.stats`), the propagated ones as above::
+
+      ‖A_l ⊙ δg_l‖² = [l = j] (WGdy + WGx) + [l = pred(j)] ρ_j² UU_l
+                      + [l < j] e_B² GA_B(l)² + [l <= j] e_F² GA_F(l)²
 
 with ``S`` the number of sites. **Quality loss** ``Q = w_L ΔL + w_W ΔW`` (§5.1, weights 1
 by default).
@@ -75,8 +86,6 @@ class SiteStats:
     """Input features K of the site's weight (unsharded)."""
     stats: dict
     """Scalars (``xx``, ``ww``, ...) and per-format dicts (``Lx``, ``ew``, ...)."""
-    adam: float
-    """‖A‖_F² of the site's weight."""
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,25 @@ def loss_divergence(s: SiteStats, o: SiteFormats, loss: float) -> float:
 
 
 def _gradient_errors(s: SiteStats, o: SiteFormats) -> tuple[float, float, float]:
-    """(‖δg_j‖²_own, e_B², e_F²) of option ``o``."""
+    """(‖A ⊙ δg_j‖²_own, e_B², e_F²) of option ``o``."""
     st = s.stats
-    own = st["Gdy"][o.dy] + st["Gx"][o.x]
+    own = st["WGdy"][o.dy] + st["WGx"][o.x]
     e_b = st["Bdy"][o.dy] * st["ww"] / s.n + st["Bw"][o.w]
     e_f = (st["ex"][o.x] * st["ww"] + st["xx"] * st["ew"][o.w]) / s.k
     return own, e_b, e_f
+
+
+_PREDECESSOR = {"fc2": "fc1", "proj": "qkv"}
+"""Site -> the site of the same layer whose ``dy`` its ``dx`` becomes."""
+
+
+def _predecessors(sites: list[SiteStats]) -> list[int | None]:
+    index = {s.site: i for i, s in enumerate(sites)}
+    out = []
+    for s in sites:
+        layer, _, name = s.site.partition(".")
+        out.append(index.get(f"{layer}.{_PREDECESSOR[name]}") if name in _PREDECESSOR else None)
+    return out
 
 
 def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper: dict,
@@ -116,13 +138,12 @@ def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper
     leaves out the forward error ``e_F`` (an option whose fprop stays exact)."""
     lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
     c = math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-    # per site l: weight of ‖δg_l‖ in ΔW, and the probe gains G_B(l)², G_F(l)²
-    scale = np.array([lr * c * math.sqrt(s.adam) / math.sqrt(s.n * s.k)
-                      * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
+    scale = np.array([lr * c * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
     noise_b = sum(s.stats["noiseB"] for s in sites)
     noise_f = sum(s.stats["noiseF"] for s in sites)
-    gain_b = np.array([_safe_div(s.stats["dgB"], noise_b) for s in sites])
-    gain_f = np.array([_safe_div(s.stats["dgF"], noise_f) for s in sites])
+    gain_b = np.array([_safe_div(s.stats["dgAB"], noise_b) for s in sites])
+    gain_f = np.array([_safe_div(s.stats["dgAF"], noise_f) for s in sites])
+    pred = _predecessors(sites)
     out = np.zeros((len(sites), len(options)))
     for j, s in enumerate(sites):
         below = np.arange(len(sites)) < j
@@ -131,6 +152,8 @@ def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper
             own, e_b, e_f = _gradient_errors(s, o)
             dg2 = e_b * gain_b * below + (e_f * gain_f * upto if include_forward else 0.0)
             dg2[j] += own
+            if pred[j] is not None:
+                dg2[pred[j]] += _safe_div(e_b, s.stats["dxdx"]) * sites[pred[j]].stats["UU"]
             out[j, i] = float(np.sum(scale * np.sqrt(dg2))) / len(sites)
     return out
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import threading
+import time
 
 import numpy as np
 import torch.distributed as dist
@@ -86,6 +87,7 @@ class SnipRun:
         self._collected = None
         self._worker: threading.Thread | None = None
         self._result: dict | None = None
+        self._collect_s = 0.0
         self.run = None
 
     # -- flags -------------------------------------------------------------------------
@@ -126,22 +128,23 @@ class SnipRun:
         if self.pending is not None and state.iteration == self.pending["apply"]:
             self._apply(args)
         if self._refresh_due(args, state.iteration):
-            train_ds = run.datasets[0]
-            self._collected = collect(args, run.model, train_ds, state.consumed_samples,
+            start = time.perf_counter()
+            self._collected = collect(args, run.model, run.datasets[0], state.consumed_samples,
                                       self.candidates, args.snip_noise)
+            self._collect_s = time.perf_counter() - start
 
     def on_step(self, args, model, state) -> dict | None:
         if self._collected is None:
             return None
         observers, loss = self._collected
         self._collected = None
-        adam, hyper = adam_statistics(self.run.optimizer, model)
-        stats = reduce_statistics(observers, adam, args, self.candidates)
+        hyper = adam_statistics(self.run.optimizer, model, observers)
+        stats = reduce_statistics(observers, args, self.candidates)
         step = state.iteration - 1
         self.pending = {"step": step, "apply": step + args.snip_apply_lag,
                         "stats": [s.__dict__ for s in stats], "loss": loss, "hyper": hyper}
         self._start_worker(args)
-        return {"snip_refresh": step}
+        return {"snip_refresh": step, "snip_collect_s": self._collect_s}
 
     # -- worker (rank 0) -----------------------------------------------------------------
     def _start_worker(self, args) -> None:
@@ -151,10 +154,12 @@ class SnipRun:
         self._result = None
 
         def work():
+            start = time.perf_counter()
             stats = [SiteStats(**s) for s in pending["stats"]]
             plan, sol = self._solve(args, stats, pending["step"], pending["loss"],
                                     pending["hyper"], write=True)
-            self._result = {"plan": plan.to_dict(), "solution": sol.to_dict()}
+            self._result = {"plan": plan.to_dict(), "solution": sol.to_dict(),
+                            "seconds": time.perf_counter() - start}
 
         self._worker = threading.Thread(target=work, name="snip-planner", daemon=True)
         self._worker.start()
@@ -168,6 +173,9 @@ class SnipRun:
             if self._result is None:
                 raise RuntimeError("SNIP planner failed (see the traceback above)")
             payload[0] = self._result["plan"]
+            print(f"snip: applying the plan of the step-{self.pending['step']} refresh "
+                  f"(analysis + ILP {self._result['seconds']:.2f} s in the background)",
+                  flush=True)
         dist.broadcast_object_list(payload, src=0)
         self.precision.set_plan(PrecisionPlan.from_dict(payload[0]))
         self.pending, self._worker = None, None

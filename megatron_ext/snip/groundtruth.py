@@ -99,8 +99,8 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
     snap = _snapshot(run)
     observers, loss = collect(args, run.model, dataset, 0, candidates, noise)
     _step(args, run, dataset)  # the reference step: its AdamW state feeds the estimate
-    adam, hyper = adam_statistics(run.optimizer, run.model)
-    stats = reduce_statistics(observers, adam, args, candidates)
+    hyper = adam_statistics(run.optimizer, run.model, observers)
+    stats = reduce_statistics(observers, args, candidates)
     sites = [s.site for s in stats]
     reference = _site_weights(run, sites)
     _restore(run, snap)

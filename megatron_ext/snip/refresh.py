@@ -29,6 +29,7 @@ from megatron_ext.snip.divergence import SiteStats
 from megatron_ext.snip.stats import (BASE, PER_FORMAT, PROBE_BACKWARD, PROBE_FORWARD, SCALARS,
                                      SiteObserver)
 from megatron_ext.training import loop
+from megatron_ext.training.distributed import device
 
 PASSES = (BASE, PROBE_BACKWARD, PROBE_FORWARD)
 
@@ -83,21 +84,25 @@ def collect(args, model, dataset, consumed_samples: int, candidates: dict,
     return observers, loss
 
 
-def adam_statistics(optimizer, model) -> tuple[dict[str, float], dict]:
-    """‖A‖² share per local site and AdamW's hyper-parameters, after a normal step."""
-    site_of = {id(m.weight): sid for sid, m in quantized_linears(model).items()}
-    return adam_terms(optimizer, site_of)
+def adam_statistics(optimizer, model, observers: dict[str, SiteObserver]) -> dict:
+    """After the normal step: feed AdamW's ``A²`` to every observer; returns the
+    hyper-parameters (lr, betas, step, eps)."""
+    weights = {sid: m.weight for sid, m in quantized_linears(model).items()}
+    a2, hyper = adam_terms(optimizer, weights)
+    for sid, obs in observers.items():
+        if sid in a2:
+            obs.adam_weighted(a2[sid])
+    return hyper
 
 
 def _layout(candidates: dict) -> list[tuple[str, str | None]]:
     """Column order of the flat statistics vector of one site."""
     cols = [(key, None) for key in SCALARS]
-    cols += [(key, f) for key, role in PER_FORMAT.items() for f in candidates[role]]
-    return cols + [("adam", None)]
+    return cols + [(key, f) for key, role in PER_FORMAT.items() for f in candidates[role]]
 
 
-def reduce_statistics(observers: dict[str, SiteObserver], adam: dict[str, float],
-                      args, candidates: dict) -> list[SiteStats]:
+def reduce_statistics(observers: dict[str, SiteObserver], args, candidates: dict
+                      ) -> list[SiteStats]:
     """Sum every rank's shares (one all-reduce) into the global per-site statistics."""
     sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
     cols = _layout(candidates)
@@ -105,11 +110,11 @@ def reduce_statistics(observers: dict[str, SiteObserver], adam: dict[str, float]
     for i, sid in enumerate(sites):
         obs = observers.get(sid)
         for c, (key, fmt) in enumerate(cols):
-            if key == "adam":
-                flat[i, c] = adam.get(sid, 0.0)
-            elif obs is not None:
+            if obs is not None:
                 flat[i, c] = obs.stats[key] if fmt is None else obs.stats[key][fmt]
+    flat = flat.to(device())
     dist.all_reduce(flat)
+    flat = flat.cpu()
     shape = ModelShape.from_args(args)
     out = []
     for i, sid in enumerate(sites):
@@ -120,6 +125,5 @@ def reduce_statistics(observers: dict[str, SiteObserver], adam: dict[str, float]
             else:
                 stats[key][fmt] = float(flat[i, c])
         n, k = shape.site_nk(parse_site_id(sid)[1])
-        out.append(SiteStats(sid, n, k, {k2: v for k2, v in stats.items() if k2 != "adam"},
-                             stats["adam"]))
+        out.append(SiteStats(sid, n, k, stats))
     return out

@@ -33,7 +33,18 @@ statistic      value                                              used for
 ``Gdy[f]``     Σ_m ‖δ_f(dy)_m‖² ‖x_m‖²       (wgrad, along T)     own weight-gradient error
 ``Gx[f]``      Σ_m ‖dy_m‖² ‖δ_f(x)_m‖²       (wgrad, along T)     own weight-gradient error
 ``dgB dgF``    ‖g_probe - g_base‖²  (steps 2 / 3)                 ‖∇g‖ by Theorem 4.2
+``AA``         ‖A‖² (AdamW derivative, :mod:`.adam`)              report
+``WGdy[f]``    Σ_nk A²_nk Σ_m δ_f(dy)_mn² x_mk²     (wgrad)        own AdamW-weighted error
+``WGx[f]``     Σ_nk A²_nk Σ_m dy_mn² δ_f(x)_mk²     (wgrad)        own AdamW-weighted error
+``UU``         Σ_nk A²_nk Σ_m dy_mn² x_mk²                      response to a relative dy error
+``dgAB dgAF``  ‖A ⊙ (g_probe - g_base)‖²                          AdamW-weighted probe gains
 =============  =================================================  ============================
+
+``WG*`` is ``E‖A ⊙ δg‖²`` for the site's own wgrad error ``δg = δdy^T x + dy^T δx`` when
+the measured element errors have random signs: ``E δg_nk² = Σ_m δdy_mn² x_mk² + ...``, an
+N x K tensor per candidate accumulated over the pass (one extra GEMM of squares per
+micro-batch). The last three rows need AdamW's state after the step:
+:meth:`SiteObserver.adam_weighted` reduces the tensors against ``A²`` once that step is done.
 
 Steps 2 and 3 (:data:`PROBE_BACKWARD`, :data:`PROBE_FORWARD`) add Gaussian noise at the
 **noise site** (the last layer's ``fc2``): to its ``dy`` (the gradient entering the last layer
@@ -55,10 +66,12 @@ from megatron_ext.precision.layers import tp_input
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
 """Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
 
-SCALARS = ("xx", "ww", "dydy", "dxdx", "dwdw", "dgB", "dgF", "noiseB", "noiseF")
-"""Per-site scalar statistics (``noise*``: the injected noise's ‖·‖², noise site only)."""
-PER_FORMAT = {"Lx": "x", "ex": "x", "Gx": "x", "Lw": "w", "ew": "w", "Bw": "w",
-              "Bdy": "dy", "Gdy": "dy"}
+SCALARS = ("xx", "ww", "dydy", "dxdx", "dwdw", "AA", "UU", "dgB", "dgF", "dgAB", "dgAF",
+           "noiseB", "noiseF")
+"""Per-site scalar statistics (``noiseB``: ‖ξ·w‖² of the backward noise, ``noiseF``: ‖ν‖²; noise site only)."""
+PER_FORMAT = {"Lx": "x", "ex": "x", "Gx": "x", "WGx": "x", "Lw": "w", "ew": "w", "Bw": "w",
+              "Bdy": "dy", "Gdy": "dy", "WGdy": "dy"}
+
 """Per-candidate statistics and the role whose candidate formats index them."""
 
 
@@ -96,6 +109,10 @@ class SiteObserver:
         self._dw = None
         self._dycol = None
         self._g_base = None
+        self._probe_dg: dict[str, torch.Tensor] = {}
+        self._var_dy = {f: 0.0 for f in candidates["dy"]}
+        self._var_u = 0.0
+        self._var_x = {f: 0.0 for f in candidates["x"]}
         self._fwd_micro = self._bwd_micro = 0
 
     # -- replication -------------------------------------------------------------------
@@ -156,12 +173,17 @@ class SiteObserver:
         self._add("dydy", dy_rows, rep=rep_dy)
         col = dy2.detach().double().square().sum(0) / self.dp ** 2
         self._dycol = col if self._dycol is None else self._dycol + col
+        x_sq, dy_sq = x2.detach().double().square(), dy2.detach().double().square() / self.dp ** 2
+        self._var_u = self._var_u + dy_sq.t() @ x_sq
         for f in self.candidates["dy"]:
             self._add("Bdy", _rows_sq(_error(dy2, f, -1)) / self.dp ** 2, f, rep_dy)
-            wgrad_err = _error(dy2.t(), f, -1).t()
-            self._add("Gdy", _rows_sq(wgrad_err) / self.dp ** 2 * x_rows, f)
+            err_sq = _error(dy2.t(), f, -1).t().double().square() / self.dp ** 2
+            self._add("Gdy", err_sq.sum(1) * x_rows, f)
+            self._var_dy[f] = self._var_dy[f] + err_sq.t() @ x_sq
         for f in self.candidates["x"]:
-            self._add("Gx", _rows_sq(_error(x2.t(), f, -1).t()) * dy_rows, f)
+            err_sq = _error(x2.t(), f, -1).t().double().square()
+            self._add("Gx", err_sq.sum(1) * dy_rows, f)
+            self._var_x[f] = self._var_x[f] + dy_sq.t() @ err_sq
 
     def accumulate_dw(self, dw: torch.Tensor) -> None:
         dw = dw.detach().double()
@@ -202,13 +224,15 @@ class SiteObserver:
         self.stats["noiseF"] += float(noise.square().sum()) * rep
         return x + noise.to(x.dtype)
 
-    def add_backward_noise(self, dy: torch.Tensor) -> torch.Tensor:
-        shard = dy.dim() - 1 if self.column else None
-        sigma = self.noise_scale * self._global_rms(dy, shard is not None)
-        noise = sigma * self.noise_like(dy, shard, self._bwd_micro)
+    def add_backward_noise(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``dy + ξ``; records ‖ξ·w‖², the perturbation it sends down (dx units, like a
+        site's dgrad error ``e_B``). The noise site is row-parallel: ``dy`` is replicated
+        over TP and ``ξ·w`` is this rank's slice of dx."""
+        sigma = self.noise_scale * self._global_rms(dy, False)
+        noise = sigma * self.noise_like(dy, None, self._bwd_micro)
         self._bwd_micro += 1
-        rep = 1.0 if shard is not None else 1.0 / self.tp
-        self.stats["noiseB"] += float(noise.square().sum()) / self.dp ** 2 * rep
+        sent_down = noise.to(weight.dtype) @ weight.detach()
+        self.stats["noiseB"] += float(sent_down.double().square().sum()) / self.dp ** 2
         return dy + noise.to(dy.dtype)
 
     # -- end of a pass -------------------------------------------------------------------
@@ -224,8 +248,22 @@ class SiteObserver:
             self._g_base = dw
         else:
             key = "dgB" if self.mode == PROBE_BACKWARD else "dgF"
-            self.stats[key] += float((dw - self._g_base).square().sum()) / self.dp
+            self._probe_dg[key] = dw - self._g_base
+            self.stats[key] += float(self._probe_dg[key].square().sum()) / self.dp
         self._dw = None
+
+    def adam_weighted(self, a2: torch.Tensor) -> None:
+        """The AdamW-weighted statistics, given ``A²`` of this site's local weight after the
+        step (replicated over DP; the variance tensors hold this rank's tokens)."""
+        a2 = a2.double()
+        self.stats["AA"] += float(a2.sum()) / self.dp
+        self.stats["UU"] += float((a2 * self._var_u).sum())
+        for f, var in self._var_dy.items():
+            self.stats["WGdy"][f] += float((a2 * var).sum())
+        for f, var in self._var_x.items():
+            self.stats["WGx"][f] += float((a2 * var).sum())
+        for key, dg in self._probe_dg.items():
+            self.stats[key.replace("dg", "dgA")] += float((a2 * dg.square()).sum()) / self.dp
 
     def _weight_stats(self, w: torch.Tensor, dw: torch.Tensor) -> None:
         partial = not self.column
@@ -277,7 +315,7 @@ class _ObservedGemm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         obs = ctx.obs
         if obs.mode == PROBE_BACKWARD and obs.noise_scale:
-            dy = obs.add_backward_noise(dy)
+            dy = obs.add_backward_noise(dy, weight)
         dx = torch.matmul(dy, weight)
         dy2 = dy.contiguous().view(-1, dy.shape[-1])
         x2 = x.contiguous().view(-1, x.shape[-1])

@@ -137,3 +137,9 @@ def initialize(args) -> LaunchInfo:
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     return info
+
+
+def device() -> torch.device:
+    """This rank's compute device: its CUDA device on a GPU node, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")

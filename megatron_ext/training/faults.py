@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
+from megatron_ext.training.distributed import device
 from megatron_ext.training.errors import UsageError
 from megatron_ext.training.extensions import Extension
 
@@ -70,11 +71,6 @@ def validate_args(args: argparse.Namespace) -> None:
                          f"0-{args.world_size - 1}")
     if args.exit_signal_handler is None:
         args.exit_signal_handler = bool(args.save)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
 
 
 def _rank() -> int:
@@ -121,7 +117,7 @@ def guarded_step(optimizer, model: list, loss: float) -> tuple[bool, float]:
         update_ok, grad_norm, _ = optimizer.step()
         return update_ok, float(grad_norm) if update_ok and grad_norm is not None else math.nan
     bad = torch.tensor([not math.isfinite(loss) or not local_grads_finite(model)],
-                       dtype=torch.int32, device=_device())
+                       dtype=torch.int32, device=device())
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
@@ -239,7 +235,7 @@ class FaultHandler:
             raise UsageError(self._abort)
         if not self.args.exit_signal_handler:
             return False
-        flag = torch.tensor([int(self.signalled)], dtype=torch.int32, device=_device())
+        flag = torch.tensor([int(self.signalled)], dtype=torch.int32, device=device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and _rank() == 0:
@@ -313,7 +309,7 @@ def verify_ranks_agree(fields: dict[str, int], where: str) -> None:
     naming the ranks that differ from rank 0, if they do not all hold the same values."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=_device())
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device())
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     message = desync_message(list(fields), [t.tolist() for t in gathered], where)

@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.data.sampler import MicroBatchIterator
+from megatron_ext.training.distributed import device
 from megatron_ext.training.faults import FaultHandler, guarded_step
 
 
@@ -37,14 +38,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = {k: v.to(_device(), non_blocking=True) if torch.is_tensor(v) else v
+    batch = {k: v.to(device(), non_blocking=True) if torch.is_tensor(v) else v
              for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.currentdevice()) if torch.cuda.is_available() \
         else torch.device("cpu")
 
 
@@ -68,7 +69,7 @@ def run_schedule(args, model: list, data_iterator, forward_only: bool) -> float:
         micro_batch_size=args.micro_batch_size,
         forward_only=forward_only,
     )
-    total = torch.zeros(1, dtype=torch.float64, device=_device())
+    total = torch.zeros(1, dtype=torch.float64, device=device())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         total += torch.stack([d["lm loss"].double() for d in losses]).mean()
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())

@@ -88,6 +88,19 @@ def test_statistics_equal_brute_force(base):
         wgrad = _q(dy.t().float(), f, -1).t().double() - dy
         assert st["Bdy"][f] == pytest.approx(float(dgrad.square().sum()), rel=1e-5)
         assert st["Gdy"][f] == pytest.approx(float((_rows(wgrad) * _rows(x2)).sum()), rel=1e-5)
+    # AdamW-weighted own errors: E‖A ⊙ δg‖² with the measured element errors, random signs
+    a2 = torch.rand(w.shape, dtype=torch.float64)
+    obs.adam_weighted(a2)
+    for f in CANDIDATES["dy"]:
+        err = _q(dy.t().float(), f, -1).t().double() - dy
+        expect = (a2 * (err.square().t() @ x2.square())).sum()
+        assert st["WGdy"][f] == pytest.approx(float(expect), rel=1e-5)
+    for f in CANDIDATES["x"]:
+        err = _q(x2.t().float(), f, -1).t().double() - x2
+        expect = (a2 * (dy.square().t() @ err.square())).sum()
+        assert st["WGx"][f] == pytest.approx(float(expect), rel=1e-5)
+    assert st["AA"] == pytest.approx(float(a2.sum()))
+    assert st["UU"] == pytest.approx(float((a2 * (dy.square().t() @ x2.square())).sum()), rel=1e-5)
 
 
 def test_probes_measure_the_gradient_change_of_the_noise():
@@ -99,14 +112,19 @@ def test_probes_measure_the_gradient_change_of_the_noise():
     _run(layer, obs, x, r)
     _run(layer, obs, x, r, PROBE_BACKWARD)
     xi = obs.noise_like(r, None, 0) * 0.1 * float(r.square().mean().sqrt())
-    expect_b = (xi.reshape(-1, H).t() @ x.reshape(-1, F).double()).square().sum()
-    assert obs.stats["dgB"] == pytest.approx(float(expect_b), rel=1e-4)
-    assert obs.stats["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
+    delta_b = xi.reshape(-1, H).t() @ x.reshape(-1, F).double()
+    assert obs.stats["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
+    sent_down = xi.reshape(-1, H) @ layer.weight.detach().double()
+    assert obs.stats["noiseB"] == pytest.approx(float(sent_down.square().sum()), rel=1e-5)
     _run(layer, obs, x, r, PROBE_FORWARD)
     obs.mode = PROBE_FORWARD  # noise_like seeds the forward stream
     nu = obs.noise_like(x, x.dim() - 1, 0) * 0.1 * float(x.square().mean().sqrt())
-    expect_f = (r.reshape(-1, H).double().t() @ nu.reshape(-1, F)).square().sum()
-    assert obs.stats["dgF"] == pytest.approx(float(expect_f), rel=1e-4)
+    delta_f = r.reshape(-1, H).double().t() @ nu.reshape(-1, F)
+    assert obs.stats["dgF"] == pytest.approx(float(delta_f.square().sum()), rel=1e-4)
+    a2 = torch.rand(H, F, dtype=torch.float64)
+    obs.adam_weighted(a2)
+    assert obs.stats["dgAB"] == pytest.approx(float((a2 * delta_b.square()).sum()), rel=1e-4)
+    assert obs.stats["dgAF"] == pytest.approx(float((a2 * delta_f.square()).sum()), rel=1e-4)
 
 
 def test_noise_is_per_sample_and_layout_free():
