@@ -8,7 +8,8 @@ precision flag it does nothing (megatron's own linears, bit for bit). With one:
    unknown site or format is a one-line ``UsageError``;
 2. ``linear_classes`` makes every site a quantized megatron linear;
 3. ``after_setup`` applies the plan, all-gathers its hash (every rank must hold the same plan),
-   registers it with the checkpointer and prints the FLOP split on rank 0;
+   registers it with the checkpointer, prints the FLOP split on rank 0 and writes the plan to
+   ``<run dir>/precision_plan.json`` there (rewritten whenever a new plan is applied);
 4. ``on_step`` adds the FLOP fractions (overall and per stage) and the plan hash to every
    step's metrics.
 
@@ -20,15 +21,20 @@ how a policy switches plans mid-run (all ranks at the same step).
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch.distributed as dist
 
 from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
 from megatron_ext.precision.layers import quantized_linear_classes
-from megatron_ext.precision.plan import PrecisionPlan, apply_plan, load_plan, verify_same_plan
+from megatron_ext.precision.plan import (PrecisionPlan, apply_plan, load_plan, save_plan,
+                                         verify_same_plan)
 from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec, policy_choices
 from megatron_ext.training.errors import UsageError
 from megatron_ext.training.extensions import Extension
+
+PLAN_FILE = "precision_plan.json"
+"""The plan in force, in the run directory (written by rank 0 whenever a plan is applied)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser, extra_policies: dict | None = None) -> None:
@@ -103,7 +109,8 @@ class PrecisionRun:
 
     def set_plan(self, plan: PrecisionPlan) -> None:
         """Apply ``plan`` on this rank (with this layout's per-stage FP4 fractions filled in),
-        check every rank holds the same one, and print the split on rank 0."""
+        check every rank holds the same one; on rank 0 print the split and write the plan to
+        ``<run dir>/precision_plan.json`` (:data:`PLAN_FILE`)."""
         shape = ModelShape.from_args(self.args)
         report = flop_report(plan.formats, shape)
         plan = plan.replace(stage_fp4_frac=[s["fp4"] for s in report.stage_fractions])
@@ -112,6 +119,8 @@ class PrecisionRun:
         self.plan, self.report = plan, report
         if dist.get_rank() == 0:
             print(_summary(plan, report), flush=True)
+            if getattr(self.args, "run_dir", None):
+                save_plan(plan, os.path.join(self.args.run_dir, PLAN_FILE))
 
     def on_step(self, args, model, state) -> dict | None:
         if self.plan is None:

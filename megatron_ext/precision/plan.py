@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
@@ -135,6 +137,22 @@ def load_plan(path: str) -> PrecisionPlan:
             from None
     except ValueError as exc:
         raise ValueError(f"'{path}': {exc}") from None
+
+
+def save_plan(plan: PrecisionPlan, path: str) -> None:
+    """Write ``plan`` as JSON to ``path`` through a temp file in the same folder and
+    ``os.replace``: a reader sees the old file or the new one, never half of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(plan.to_json() + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; a plan is meant to be read
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def apply_plan(model, plan: PrecisionPlan, num_layers: int) -> int:

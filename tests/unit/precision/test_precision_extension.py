@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from megatron_ext.precision.plan import load_plan
 from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec
 from precision_helpers import FAST, REPO, launch_precision
 
@@ -45,6 +46,7 @@ def test_without_precision_flags_the_run_is_megatrons(tmp_path, fp32):
     ours, _ = _train(tmp_path, "ours", "--no-save", steps=4)
     assert _losses(ours) == fp32
     assert "fp4_flop_frac" not in _records(ours)[0]
+    assert not (ours / "precision_plan.json").exists()
 
 
 def test_uniform_fp4_trains_and_logs_its_flop_split(fp32, fp4):
@@ -55,6 +57,7 @@ def test_uniform_fp4_trains_and_logs_its_flop_split(fp32, fp4):
     first = _records(run_dir)[0]
     assert (first["fp4_flop_frac"], first["fp8_flop_frac"], first["bf16_flop_frac"]) == (1, 0, 0)
     assert first["precision_plan"] == plan.hash[:12] and first["gemm_time_vs_bf16"] == 0.25
+    assert load_plan(str(run_dir / "precision_plan.json")).hash == plan.hash  # the plan applied
     losses = _losses(run_dir)
     assert losses != fp32  # the GEMMs really were quantized ...
     for step, loss in losses.items():  # ... and training still works

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_ext.precision.extension import _flags_plan, add_arguments
-from megatron_ext.precision.plan import PrecisionPlan, load_plan
+from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
 from megatron_ext.precision.policies import UNIFORM, keep_layers_bf16, plan_from_spec
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.training.errors import UsageError
@@ -29,6 +29,14 @@ def test_json_round_trip_keeps_everything():
     assert again == PLAN and again.to_json() == PLAN.to_json()
     assert again.sites["L2.qkv"].operand("wgrad", "x") == "bf16"
     assert again.sites["L2.qkv"].operand("fprop", "x") == "fp4_e2m1@tile128"
+
+
+def test_save_plan_writes_a_loadable_file_and_no_temp_file(tmp_path):
+    path = tmp_path / "new" / "plan.json"
+    save_plan(PLAN, str(path))
+    save_plan(PLAN.replace(step=6000), str(path))  # replaced in place
+    assert load_plan(str(path)) == PLAN.replace(step=6000)
+    assert [p.name for p in path.parent.iterdir()] == ["plan.json"]
 
 
 def test_sites_are_written_in_layer_then_site_order():
