@@ -7,6 +7,7 @@
     plot_precision.py evolution RUN_DIR_OR_PLAN... --out evo.png [--color-by fp4-roles|format]
     plot_precision.py divergence DIVERGENCE.json --out div.png [--option NAME] [--metric dL]
     plot_precision.py loss RUN_DIR... --out loss.png [--labels a,b] [--smooth N]
+                      [--from-step STEP]
 
 Bad input: one ``error:`` line on stderr, exit status 2, no output file. Parsing only: the
 readers are :mod:`megatron_ext.viz.inputs`, the figures :mod:`megatron_ext.viz.plots`.
@@ -105,6 +106,9 @@ def _add_loss(sub) -> None:
                                     "(default: the directory names)")
     p.add_argument("--smooth", type=_positive_int, default=1, metavar="N",
                    help="plot the training loss as the mean of the last N records (default 1)")
+    p.add_argument("--from-step", type=int, default=0, metavar="STEP",
+                   help="plot only steps >= STEP, so the y axis shows the end of training "
+                        "(default 0: all)")
     _common(p)
 
 
@@ -179,7 +183,11 @@ def _plot_loss(args):
     if len(labels) != len(args.runs):
         raise ValueError(f"--labels has {len(labels)} label(s) for {len(args.runs)} run(s)")
     curves = [inputs.load_loss_curve(run, label) for run, label in zip(args.runs, labels)]
-    return plots.loss_curves(curves, args.smooth)
+    last = max(step for c in curves for step, _ in (*c.train, *c.val))
+    if args.from_step > last:
+        raise ValueError(f"--from-step {args.from_step}: no records at or after it (the runs "
+                         f"end at step {last})")
+    return plots.loss_curves(curves, args.smooth, args.from_step)
 
 
 COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolution,

@@ -301,24 +301,31 @@ def _smoothed(values: list[float], window: int) -> list[float]:
             for i in range(len(values))]
 
 
-def loss_curves(curves, smooth: int = 1) -> Figure:
-    """Training loss (lines) and validation loss (dashed, dots) of several runs, one axis."""
+def _from(points, from_step: int) -> list[tuple]:
+    return [(step, value) for step, value in points if step >= from_step]
+
+
+def loss_curves(curves, smooth: int = 1, from_step: int = 0) -> Figure:
+    """Training loss (lines) and validation loss (dashed, dots) of several runs, one axis;
+    only steps >= ``from_step`` (the trailing means still use the records before it)."""
     fig = new_figure(7.5, 4.5)
     ax = fig.add_subplot()
     for index, curve in enumerate(curves):
         color = f"C{index % 10}"
         if curve.train:
             steps, losses = zip(*curve.train)
-            ax.plot(steps, _smoothed(list(losses), smooth), color=color, linewidth=1.2,
-                    label=f"{curve.label} train")
-        if curve.val:
-            steps, losses = zip(*curve.val)
-            ax.plot(steps, losses, color=color, linestyle="--", marker="o", markersize=3,
+            train = _from(zip(steps, _smoothed(list(losses), smooth)), from_step)
+            if train:
+                ax.plot(*zip(*train), color=color, linewidth=1.2, label=f"{curve.label} train")
+        val = _from(curve.val or [], from_step)
+        if val:
+            ax.plot(*zip(*val), color=color, linestyle="--", marker="o", markersize=3,
                     linewidth=1.0, label=f"{curve.label} val")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
     smoothing = f" (train: mean of {smooth} records)" if smooth > 1 else ""
-    ax.set_title(f"loss{smoothing}")
+    start = f", steps >= {from_step}" if from_step else ""
+    ax.set_title(f"loss{smoothing}{start}")
     return fig

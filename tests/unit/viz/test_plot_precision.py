@@ -173,6 +173,20 @@ def test_loss_curves_of_two_runs(inputs, tmp_path):
     check_png(out, ["C0", "C1"], min_distinct=1, min_share=0.001)  # thin lines
 
 
+def test_loss_curves_from_a_step_keep_the_trailing_mean(inputs, tmp_path):
+    from megatron_ext.viz.inputs import load_loss_curve
+    from megatron_ext.viz.plots import loss_curves
+
+    curve = load_loss_curve(str(inputs / "fp8"), "fp8")
+    train, val = loss_curves([curve], smooth=5, from_step=150).axes[0].get_lines()
+    assert list(train.get_xdata()) == list(range(150, 201)) and list(val.get_xdata()) == [150, 200]
+    losses = dict(curve.train)
+    assert train.get_ydata()[0] == pytest.approx(np.mean([losses[s] for s in range(146, 151)]))
+    out = tmp_path / "end.png"
+    assert plot("loss", inputs / "fp8", "--from-step", "150", "--out", out) == 0
+    check_png(out, ["C0"], min_distinct=1, min_share=0.001)
+
+
 def test_format_families_and_colours_are_stable():
     assert format_family("fp8_e4m3@tile128+sr") == format_family("fp8_e5m2") == "fp8"
     assert format_family("mxfp8_e5m2+sr") == "mxfp8"
@@ -243,6 +257,8 @@ BAD = {
     "no loss records": (lambda i, t: ["loss", _write(t / "m.jsonl", '{"step": 1}\n')],
                         "has no \"loss\" or \"val_loss\" records"),
     "missing run": (lambda i, t: ["loss", t / "nowhere"], "cannot read"),
+    "from-step past the runs": (lambda i, t: ["loss", i / "fp8", "--from-step", "201"],
+                                "--from-step 201: no records at or after it"),
     "unknown command": (lambda i, t: ["pie"], "invalid choice: 'pie'"),
     "output directory missing": (lambda i, t: ["plan", i / "mixed.json", "--out",
                                                t / "no" / "dir.png"], "cannot write"),
