@@ -50,7 +50,9 @@ def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torc
 
 
 def _shard_range(opt, model_param) -> tuple[int, int]:
-    return opt._get_model_param_range_map(model_param)["param"]
+    """Where this rank's optimizer shard lies in the flattened ``model_param``."""
+    owned = opt._get_model_param_range_map(model_param)["param"]
+    return owned.start, owned.end
 
 
 def adam_terms(optimizer, site_params: dict) -> tuple[dict, dict]:

@@ -4,7 +4,7 @@
 policies.UNIFORM` (``fp8``, ``fp4``, ``bf16``: DeepSeek-V3 layout, 1x128 tiles for ``x`` and
 ``dy``, 128x128 blocks for ``w``, stochastic rounding for FP4 ``dy``) or any format name of
 :mod:`megatron_ext.formats` (then used as is for all three roles, e.g.
-``fp8_e4m3@tile128,fp4_e2m1@tile128``). An **option** of a site picks one candidate per role
+``fp8_e4m3@tile128,fp4_e2m1@tile128``), or ``none``: the run's own precision, unquantized. An **option** of a site picks one candidate per role
 (x, w, dy), so ``C`` candidates give ``C**3`` options: the default ``fp8,fp4`` gives SNIP's
 eight. The option name lists the three formats, ``x=<fmt>,w=<fmt>,dy=<fmt>``.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from megatron_ext.formats import get_format
 from megatron_ext.precision.cost import operand_class
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import ROLES, SiteFormats
+from megatron_ext.precision.sites import PASSTHROUGH, ROLES, SiteFormats
 
 DEFAULT_CANDIDATES = "fp8,fp4"
 """SNIP's candidate set: FP8 and FP4 per role."""
@@ -50,6 +50,10 @@ def parse_candidates(spec: str) -> Candidates:
         raise ValueError(f"need at least two distinct candidates, got {spec!r}")
     per_role: dict[str, list[str]] = {r: [] for r in ROLES}
     for name in names:
+        if name == PASSTHROUGH:  # the run's own precision, unquantized
+            for role in ROLES:
+                per_role[role].append(PASSTHROUGH)
+            continue
         if name in UNIFORM:
             recipe = UNIFORM[name]
             for role in ROLES:

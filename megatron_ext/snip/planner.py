@@ -52,18 +52,35 @@ def option_costs(shape: ModelShape, site: str, formats: SiteFormats) -> tuple[fl
     return fp4, 3 * gemm, seconds
 
 
-def stage_fixed_times(shape: ModelShape, seq_length: int, vocab: int) -> list[float]:
-    """Per stage: attention core of its layers, plus the output layer on the last (BF16)."""
+def layer_stages(shape: ModelShape, stage_of: list[int] | None = None) -> list[int]:
+    """Pipeline stage of every layer: ``stage_of`` when given (an explicit split, e.g.
+    megatron's uneven first / last stage), else ``shape.stage_of`` (the even split)."""
+    if stage_of is None:
+        return [shape.stage_of(layer) for layer in range(shape.num_layers)]
+    if len(stage_of) != shape.num_layers or \
+            not all(0 <= k < shape.pipeline_stages for k in stage_of):
+        raise ValueError(f"stage_of must give a stage in 0..{shape.pipeline_stages - 1} for "
+                         f"each of the {shape.num_layers} layers, got {list(stage_of)}")
+    return list(stage_of)
+
+
+def stage_fixed_times(shape: ModelShape, seq_length: int, vocab: int,
+                      stage_of: list[int] | None = None) -> list[float]:
+    """Per stage: attention core of its layers, plus the output layer on the last (BF16);
+    ``stage_of`` as in :func:`layer_stages`."""
     flops = [0.0] * shape.pipeline_stages
-    for layer in range(shape.num_layers):
-        flops[shape.stage_of(layer)] += 3 * 2 * shape.tokens * seq_length * shape.hidden_size
+    for stage in layer_stages(shape, stage_of):
+        flops[stage] += 3 * 2 * shape.tokens * seq_length * shape.hidden_size
     flops[-1] += 3 * 2 * shape.tokens * vocab * shape.hidden_size
     return [f / BF16_FLOPS_PER_S for f in flops]
 
 
 def build_problem(sites: list[str], options: list[SiteFormats], q: np.ndarray,
-                  shape: ModelShape, fixed: list[float], meta: dict | None = None) -> Problem:
-    """The ILP instance for ``q[site, option]`` (``problem.json`` of a refresh)."""
+                  shape: ModelShape, fixed: list[float], meta: dict | None = None,
+                  stage_of: list[int] | None = None) -> Problem:
+    """The ILP instance for ``q[site, option]`` (``problem.json`` of a refresh);
+    ``stage_of`` as in :func:`layer_stages`."""
+    stages = layer_stages(shape, stage_of)
     out = []
     for i, sid in enumerate(sites):
         layer, name = parse_site_id(sid)
@@ -71,7 +88,7 @@ def build_problem(sites: list[str], options: list[SiteFormats], q: np.ndarray,
         for j, fmt in enumerate(options):
             fp4, flops, seconds = option_costs(shape, name, fmt)
             opts.append(Option(option_name(fmt), float(q[i, j]), fp4, flops, seconds))
-        out.append(Site(sid, shape.stage_of(layer), tuple(opts)))
+        out.append(Site(sid, stages[layer], tuple(opts)))
     return Problem(tuple(out), shape.pipeline_stages, tuple(fixed), meta=meta or {})
 
 

@@ -62,6 +62,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron_ext.formats import get_format
 from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.layers import tp_input
+from megatron_ext.precision.sites import PASSTHROUGH
 
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
 """Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
@@ -82,6 +83,8 @@ def _rows_sq(t: torch.Tensor) -> torch.Tensor:
 
 def _error(t: torch.Tensor, name: str, axis: int) -> torch.Tensor:
     """``q(t) - t`` for format ``name`` along ``axis`` (the GEMM's reduction axis)."""
+    if name == PASSTHROUGH:
+        return torch.zeros_like(t)
     return quantize(t, get_format(name), axis=axis) - t
 
 

@@ -27,6 +27,7 @@ def test_default_candidates_give_snips_eight_options():
     assert all(parse_option_name(option_name(o)) == o for o in OPTIONS)
     named = parse_candidates("fp8_e4m3@tile128,fp4_e2m1@tile128,bf16")
     assert len(named.options()) == 27 and named.formats("w")[1] == "fp4_e2m1@tile128"
+    assert parse_candidates("none,fp4").options()[0] == SiteFormats()  # unquantized
 
 
 @pytest.mark.parametrize("spec", ["fp8", "fp8,fp8", "fp8,nope"])
