@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,3 +47,29 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def latest_iteration(save_dir) -> int:
+    """The iteration ``save_dir``'s latest-checkpoint pointer names (0 if none yet)."""
+    try:
+        return int((Path(save_dir) / "latest_checkpointed_iteration.txt").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def start_in_group(argv: list[str], log_path) -> subprocess.Popen:
+    """Start ``python argv`` in its own process group (with the checkpoint writer's helper
+    processes), output to ``log_path`` (a pipe nobody reads could block it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the whole job, like a node failure (also reaps orphaned helper processes)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

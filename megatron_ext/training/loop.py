@@ -44,11 +44,6 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.currentdevice()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-
-
 def data_iterators(args, dataset, consumed_samples: int, num_chunks: int):
     """One iterator per model chunk (the interleaved schedule pulls from each separately)."""
     its = [MicroBatchIterator(dataset, args.micro_batch_size,

@@ -1,15 +1,13 @@
 """Checkpoints: a SIGKILLed run resumes onto the identical loss curve; resharding on load;
 a crash while saving leaves the last good checkpoint intact."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from pretrain_runner import FAST_ARGS, REPO, launch, train_losses
+from pretrain_runner import (FAST_ARGS, REPO, kill_group, latest_iteration, launch,
+                             start_in_group, train_losses)
 
 TRAIN = ["--train-iters", "12", "--save-interval", "4"]
 
@@ -25,40 +23,16 @@ def uninterrupted(tmp_path_factory):
     return train_losses(tmp / "full")
 
 
-def _latest(save_dir) -> int:
-    try:
-        return int((save_dir / "latest_checkpointed_iteration.txt").read_text())
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
-def _start(argv: list[str], log_path) -> subprocess.Popen:
-    """Start a run in its own process group (with the checkpoint writer's helper processes)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the whole job, like a node failure (also reaps orphaned helper processes)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def test_sigkill_then_resume_continues_identically(tmp_path, uninterrupted):
     save = tmp_path / "killed-ckpt"
-    proc = _start([str(REPO / "pretrain_llama.py"), *FAST_ARGS, *TRAIN,
+    proc = start_in_group([str(REPO / "pretrain_llama.py"), *FAST_ARGS, *TRAIN,
                    *_save_args(tmp_path, "killed")], tmp_path / "killed.log")
     deadline = time.time() + 240
-    while _latest(save) < 4 and proc.poll() is None and time.time() < deadline:
+    while latest_iteration(save) < 4 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    _kill_group(proc)
+    kill_group(proc)
     assert proc.returncode == -signal.SIGKILL
-    resumed_from = _latest(save)
+    resumed_from = latest_iteration(save)
     assert 4 <= resumed_from < 12
     launch([*FAST_ARGS, *TRAIN, "--run-dir", str(tmp_path / "resumed"), "--save",
             str(save), "--load", str(save)])
@@ -100,19 +74,19 @@ if __name__ == "__main__":  # dist_checkpointing spawns workers that re-import t
 def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
     script = tmp_path / "crash_on_second_save.py"
     script.write_text(CRASH_ON_SECOND_SAVE)
-    proc = _start([str(script), *FAST_ARGS, *TRAIN, *_save_args(tmp_path, "crash")],
+    proc = start_in_group([str(script), *FAST_ARGS, *TRAIN, *_save_args(tmp_path, "crash")],
                   tmp_path / "crash.log")
     returncode = proc.wait(timeout=240)
-    _kill_group(proc)
+    kill_group(proc)
     assert returncode == 17, (tmp_path / "crash.log").read_text()[-2000:]
     save = tmp_path / "crash-ckpt"
-    assert _latest(save) == 4
+    assert latest_iteration(save) == 4
     assert not (save / "iter_0000008").exists()
     launch([*FAST_ARGS, *TRAIN, "--run-dir", str(tmp_path / "after"), "--save", str(save),
             "--load", str(save)])
     resumed = train_losses(tmp_path / "after")
     assert resumed == {s: uninterrupted[s] for s in range(5, 13)}
-    assert _latest(save) == 12 and not (save / ".tmp_iter_0000008").exists()
+    assert latest_iteration(save) == 12 and not (save / ".tmp_iter_0000008").exists()
 
 
 def test_finetune_takes_weights_only(tmp_path):

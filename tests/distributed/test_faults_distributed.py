@@ -5,39 +5,15 @@ checkpoint files at --load."""
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
 
-from pretrain_runner import FAST_ARGS, REPO, free_port, launch, train_losses
+from pretrain_runner import (FAST_ARGS, REPO, free_port, kill_group, latest_iteration, launch,
+                             start_in_group, train_losses)
 from megatron_ext.training.checkpoint_integrity import MANIFEST, write_manifest
-
-
-def _latest(save_dir) -> int:
-    try:
-        return int((save_dir / "latest_checkpointed_iteration.txt").read_text())
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
-def _start(argv: list[str], log_path) -> subprocess.Popen:
-    """A run in its own process group (checkpoint writer helpers included)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _wait_for(condition, proc, seconds=240) -> None:
@@ -67,20 +43,20 @@ def test_rank_desync_aborts_every_rank_before_saving(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     save, run_dir = tmp_path / "ckpt", tmp_path / "run"
-    proc = _start([str(REPO / "pretrain_llama.py"), *FAST_ARGS, "--train-iters", "1000",
+    proc = start_in_group([str(REPO / "pretrain_llama.py"), *FAST_ARGS, "--train-iters", "1000",
                    "--save-interval", "1", "--run-dir", str(run_dir), "--save", str(save)],
                   tmp_path / "run.log")
     try:
-        _wait_for(lambda: _latest(save) >= 1, proc)  # the writer's helper processes are up
+        _wait_for(lambda: latest_iteration(save) >= 1, proc)  # the writer's helper processes are up
         os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: every process of the job step
         returncode = proc.wait(timeout=120)
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     log = (tmp_path / "run.log").read_text()
     assert returncode == 0, log[-3000:]
     stopped = _logged_steps(run_dir)
     assert f"received SIGTERM: stopping after step {stopped}, saving a checkpoint" in log
-    assert 1 <= stopped < 1000 and _latest(save) == stopped
+    assert 1 <= stopped < 1000 and latest_iteration(save) == stopped
     launch([*FAST_ARGS, "--train-iters", str(stopped + 1), "--run-dir",
             str(tmp_path / "resumed"), "--no-save", "--load", str(save)])
     assert sorted(train_losses(tmp_path / "resumed")) == [stopped + 1]
@@ -100,7 +76,7 @@ def _worker(agent: psutil.Process, rank: int) -> psutil.Process:
 
 def test_sigterm_to_one_rank_stops_all_ranks_after_the_same_step(tmp_path):
     save, run_dir = tmp_path / "ckpt", tmp_path / "run"
-    proc = _start(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    proc = start_in_group(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                    str(free_port()), str(REPO / "pretrain_llama.py"), *FAST_ARGS,
                    "--train-iters", "1000", "--run-dir", str(run_dir), "--save", str(save)],
                   tmp_path / "run.log")
@@ -110,12 +86,12 @@ def test_sigterm_to_one_rank_stops_all_ranks_after_the_same_step(tmp_path):
         rank1.send_signal(signal.SIGTERM)  # rank 0 learns it through the all-reduce
         returncode = proc.wait(timeout=120)
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     log = (tmp_path / "run.log").read_text()
     assert returncode == 0, log[-3000:]  # torchrun saw both ranks exit 0
     stopped = _logged_steps(run_dir)
     assert f"received SIGTERM: stopping after step {stopped}" in log
-    assert _latest(save) == stopped and (save / f"iter_{stopped:07d}" / MANIFEST).is_file()
+    assert latest_iteration(save) == stopped and (save / f"iter_{stopped:07d}" / MANIFEST).is_file()
 
 
 PAUSE_IN_SECOND_SAVE = """
@@ -143,17 +119,17 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
     monkeypatch.setenv("SAVE_PAUSED_MARKER", str(marker))
     save = tmp_path / "ckpt"
     train = [*FAST_ARGS, "--train-iters", "2", "--save-interval", "1", "--save", str(save)]
-    proc = _start([str(script), *train, "--run-dir", str(tmp_path / "run")], tmp_path / "run.log")
+    proc = start_in_group([str(script), *train, "--run-dir", str(tmp_path / "run")], tmp_path / "run.log")
     try:
         _wait_for(marker.exists, proc)
     finally:
-        _kill_group(proc)  # SIGKILL to the trainer and the writer's helper processes
+        kill_group(proc)  # SIGKILL to the trainer and the writer's helper processes
     assert proc.returncode == -signal.SIGKILL
-    assert _latest(save) == 1 and not (save / "iter_0000002").exists()
+    assert latest_iteration(save) == 1 and not (save / "iter_0000002").exists()
     assert list((save / ".tmp_iter_0000002").iterdir())  # the half-done save is there
     launch([*train, "--run-dir", str(tmp_path / "resumed"), "--load", str(save)])
     assert sorted(train_losses(tmp_path / "resumed")) == [2]
-    assert _latest(save) == 2 and not (save / ".tmp_iter_0000002").exists()
+    assert latest_iteration(save) == 2 and not (save / ".tmp_iter_0000002").exists()
 
 
 @pytest.fixture(scope="module")
