@@ -208,10 +208,15 @@ def layers_per_stage(num_layers: int, stages: int, first: int | None = None,
     if rest < 0:
         raise ValueError(f"the first/last stage layers ({num_layers - rest}) exceed the "
                          f"model's {num_layers} layers")
-    if bool(rest) != bool(middle) or (middle and rest % middle):
-        raise ValueError(f"the {rest} layer(s) not on the first/last stage do not "
-                         f"split evenly into the other {middle} stage(s) ({num_layers} "
-                         f"layers, {stages} stages)")
+    if middle and not rest:
+        raise ValueError(f"the first/last stage take all {num_layers} layers, leaving none "
+                         f"for the other {middle} stage(s)")
+    if rest and not middle:
+        raise ValueError(f"with {stages} stages the first and last stage layers must add up "
+                         f"to the model's {num_layers} layers, got {num_layers - rest}")
+    if middle and rest % middle:
+        raise ValueError(f"the {rest} layers not on the first/last stage do not split evenly "
+                         f"into the other {middle} stage(s)")
     each = rest // middle if middle else 0
     counts = [each] * stages
     if first is not None:

@@ -189,7 +189,8 @@ def stage_table(planning: Planning, solution: Solution, microbatches: int) -> di
             "fixed_time": problem.stage_fixed_time[k], "time_per_microbatch": per_mb[k],
             "idle_fraction": 1.0 - microbatches * per_mb[k] / step,
             "bottleneck": k == bottleneck})
-    return {"stages": rows, "pipeline_stages": problem.num_stages,
+    return {"stages": rows, "saving": step_time_saving(problem, solution),
+            "pipeline_stages": problem.num_stages,
             "num_microbatches": microbatches, "data_parallel": layout.dp,
             "virtual_stages": layout.vp, "step_time": step,
             "bubble_fraction": estimates.bubble_fraction(layout),
