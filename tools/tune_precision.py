@@ -29,7 +29,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.snip import cli_args  # noqa: E402
-from megatron_ext.training.errors import UsageError  # noqa: E402
+from megatron_ext.training.errors import UsageError, run_cli  # noqa: E402
 
 DEFAULT_BUDGETS = (0.25, 0.5, 0.75, 0.8, 0.9)
 """--budgets when neither it nor --stage-budgets is given."""
@@ -322,15 +322,7 @@ def _run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Tune; bad input -> one ``error:`` line on stderr and exit status 2."""
-    # megatron-core (imported for plans) warns about GPU libraries the tuner does not use
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        _run(sys.argv[1:] if argv is None else list(argv))
-    except (UsageError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return run_cli(_run, argv)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ has no virtual (interleaved) stages. Bad input is a one-line ``ValueError``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from megatron_ext.precision.sites import SiteFormats, parse_site_id
 from megatron_ext.snip import planner
 from megatron_ext.snip.divergence import SiteStats
 from megatron_ext.snip.options import Candidates
-from megatron_ext.snip.problem import Problem
+from megatron_ext.snip.problem import Problem, read_json
 
 STATS_FILE = "stats.json"
 """A refresh's statistics, in ``<run>/snip/step_<s>/``."""
@@ -129,20 +128,6 @@ def find_stats(path: str) -> str:
 
 def _listdir(path: str) -> list[str]:
     return os.listdir(path) if os.path.isdir(path) else []
-
-
-def read_json(path: str) -> dict:
-    """A JSON object from ``path``; one-line ``ValueError`` otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
 
 
 def default_args_path(stats_path: str) -> str:

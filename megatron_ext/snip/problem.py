@@ -145,17 +145,25 @@ class Problem:
     @classmethod
     def load(cls, path: str) -> Problem:
         """Read and validate ``path``; ``ValueError`` for unreadable or malformed files."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as err:
-            raise ValueError(f"cannot read {path}: {err.strerror}") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        data = read_json(path)
         try:
             return cls.from_dict(data)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
+
+
+def read_json(path: str) -> dict:
+    """A JSON object from ``path``; one-line ``ValueError`` otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object")
+    return data
 
 
 def write_json_atomic(path: str, data) -> None:

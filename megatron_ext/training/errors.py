@@ -1,5 +1,23 @@
-"""The one exception type that means "the user asked for something invalid"."""
+"""The one exception type that means "the user asked for something invalid", and the CLI
+wrapper that turns it into one line on stderr and exit status 2."""
+
+import sys
+import warnings
 
 
 class UsageError(Exception):
     """Bad input: entry points print its message as one line and exit with status 2."""
+
+
+def run_cli(run, argv=None) -> int:
+    """Call ``run(argv)`` (``sys.argv[1:]`` by default); a ``UsageError`` or ``ValueError``
+    becomes one ``error:`` line on stderr and exit status 2."""
+    # megatron-core warns at import about GPU libraries (TE, Apex) CPU tools never use
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        run(sys.argv[1:] if argv is None else list(argv))
+    except (UsageError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
-from megatron_ext.training.errors import UsageError
+from megatron_ext.training.errors import UsageError, run_cli
 
 
 class _Parser(argparse.ArgumentParser):
@@ -208,15 +207,7 @@ def _run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Make one plot; bad input -> one ``error:`` line on stderr and exit status 2."""
-    # megatron-core (imported to read plans) warns about GPU libraries no plot uses
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        _run(sys.argv[1:] if argv is None else list(argv))
-    except (UsageError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return run_cli(_run, argv)
 
 
 if __name__ == "__main__":
