@@ -58,10 +58,12 @@ def _plot(result, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, est, true, name, rho in (
             (axes[0], result.est_dL, result.true_dL, "ΔL", result.spearman_dL),
-            (axes[1], result.est_dW, result.true_dW, "ΔW", result.spearman_dW)):
+            (axes[1], result.est_dW_wgrad, result.true_dW_wgrad, "ΔW (wgrad)",
+             result.spearman_dW_wgrad),
+            (axes[2], result.est_dW, result.true_dW, "ΔW (backward)", result.spearman_dW)):
         ax.loglog(est, true, "o")
         for sid, e, t in zip(result.sites, est, true):
             ax.annotate(sid, (e, t), fontsize=6)
@@ -84,10 +86,13 @@ def main(argv=None) -> int:
         run_dir = Path(tmp) / "run"
         _train(run_dir, opts.train_iters, extra)
         result = run_check(run_dir, extra, opts.noise)
-    print(f"{'site':10} {'est dL':>10} {'true dL':>10} {'est dW':>10} {'true dW':>10}")
-    for row in zip(result.sites, result.est_dL, result.true_dL, result.est_dW, result.true_dW):
+    heads = ("est dL", "true dL", "est dW", "true dW", "est dWw", "true dWw")
+    print(f"{'site':10} " + " ".join(f"{h:>10}" for h in heads))
+    for row in zip(result.sites, result.est_dL, result.true_dL, result.est_dW, result.true_dW,
+                   result.est_dW_wgrad, result.true_dW_wgrad):
         print(f"{row[0]:10} " + " ".join(f"{v:10.3e}" for v in row[1:]))
-    print(f"Spearman dL {result.spearman_dL:.3f} | dW {result.spearman_dW:.3f}")
+    print(f"Spearman dL {result.spearman_dL:.3f} | dW (backward) {result.spearman_dW:.3f} | "
+          f"dW (wgrad) {result.spearman_dW_wgrad:.3f}")
     if opts.out:
         _plot(result, opts.out)
     return 0

@@ -133,9 +133,10 @@ def _predecessors(sites: list[SiteStats]) -> list[int | None]:
 
 
 def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper: dict,
-                       include_forward: bool = True) -> np.ndarray:
+                       include_forward: bool = True, include_dgrad: bool = True) -> np.ndarray:
     """ΔW[site, option] of §4.3 (array of shape sites x options); ``include_forward=False``
-    leaves out the forward error ``e_F`` (an option whose fprop stays exact)."""
+    leaves out the forward error ``e_F`` (an option whose fprop stays exact),
+    ``include_dgrad=False`` the dgrad error ``e_B`` (only the site's own wgrad quantized)."""
     lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
     c = math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
     scale = np.array([lr * c * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
@@ -150,6 +151,7 @@ def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper
         upto = np.arange(len(sites)) <= j
         for i, o in enumerate(options):
             own, e_b, e_f = _gradient_errors(s, o)
+            e_b = e_b if include_dgrad else 0.0
             dg2 = e_b * gain_b * below + (e_f * gain_f * upto if include_forward else 0.0)
             dg2[j] += own
             if pred[j] is not None:

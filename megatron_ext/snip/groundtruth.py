@@ -6,10 +6,13 @@ On a trained model and one fixed held-out global batch:
   run the forward pass, ``|L_j - L| / L``; estimated: :func:`~megatron_ext.snip.divergence.
   loss_divergence` of the option (x, w in FP4) from one refresh's statistics on that batch.
 * **ΔW** — measured: from the same optimizer state, one AdamW step on the batch with only
-  site ``j``'s backward operands in FP4 (``dy`` in dgrad and wgrad, ``w`` in dgrad, ``x`` in
-  wgrad), against the unquantized step: ``(1/S) Σ_l ‖W'_l - W_l‖ / ‖W_l‖`` over the ``S``
-  site weights; estimated: :func:`~megatron_ext.snip.divergence.weight_divergences` of the
-  all-FP4 option with the forward part left out (the measurement keeps fprop exact).
+  site ``j``'s backward operands in FP4, against the unquantized step:
+  ``(1/S) Σ_l ‖W'_l - W_l‖ / ‖W_l‖`` over the ``S`` site weights; estimated:
+  :func:`~megatron_ext.snip.divergence.weight_divergences` of the all-FP4 option with the
+  forward part left out (the measurement keeps fprop exact). Two readings of "the site's
+  gradients quantized": **wgrad** — only the site's weight-gradient GEMM (``dy``, ``x``), so
+  only its own weights move differently; **backward** — also its dgrad (``dy``, ``w``), whose
+  error flows into every layer below.
 
 Both are compared by Spearman rank correlation over the sites (the ILP only needs the
 ranking and the relative sizes). Used by ``benchmarks/snip_estimator.py`` and its test.
@@ -44,10 +47,16 @@ class EstimatorCheck:
     """SNIP's ΔW estimate of the backward operands in FP4."""
     true_dW: list[float]
     """Measured ΔW of one AdamW step with the site's backward operands in FP4."""
+    est_dW_wgrad: list[float]
+    """SNIP's ΔW estimate of the wgrad operands in FP4."""
+    true_dW_wgrad: list[float]
+    """Measured ΔW of one AdamW step with the site's wgrad operands in FP4."""
     spearman_dL: float
     """Rank correlation of est_dL and true_dL."""
     spearman_dW: float
-    """Rank correlation of est_dW and true_dW."""
+    """Rank correlation of est_dW and true_dW (backward)."""
+    spearman_dW_wgrad: float
+    """Rank correlation of est_dW_wgrad and true_dW_wgrad."""
 
 
 def _loss(args, model, dataset) -> float:
@@ -107,18 +116,22 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
     x_w = SiteFormats(fp4.x, fp4.w, high.dy)
     backward = SiteFormats(high.x, high.w, fp4.dy,
                            overrides=(("dgrad.w", fp4.w), ("wgrad.x", fp4.x)))
+    wgrad = SiteFormats(high.x, high.w, high.dy,
+                        overrides=(("wgrad.dy", fp4.dy), ("wgrad.x", fp4.x)))
     est_dl = [loss_divergence(s, x_w, loss) for s in stats]
     est_dw = weight_divergences(stats, [fp4], hyper, include_forward=False)[:, 0]
-    true_dl, true_dw = [], []
+    est_own = weight_divergences(stats, [fp4], hyper, False, include_dgrad=False)[:, 0]
+    true_dl, true_dw, true_own = [], [], []
     for sid in sites:
         apply_plan(run.model, PrecisionPlan({sid: x_w}), num_layers)
         true_dl.append(abs(_loss(args, run.model, dataset) - loss) / loss)
-        apply_plan(run.model, PrecisionPlan({sid: backward}), num_layers)
-        _step(args, run, dataset)
-        after = _site_weights(run, sites)
-        true_dw.append(_weight_divergence(reference, after))  # Definition 4.4
-        _restore(run, snap)
+        for formats, out in ((backward, true_dw), (wgrad, true_own)):
+            apply_plan(run.model, PrecisionPlan({sid: formats}), num_layers)
+            _step(args, run, dataset)
+            out.append(_weight_divergence(reference, _site_weights(run, sites)))  # Def. 4.4
+            _restore(run, snap)
     apply_plan(run.model, empty, num_layers)
+    rho = lambda a, b: float(spearmanr(a, b).statistic)  # noqa: E731
     return EstimatorCheck(sites, est_dl, true_dl, [float(v) for v in est_dw], true_dw,
-                          float(spearmanr(est_dl, true_dl).statistic),
-                          float(spearmanr(est_dw, true_dw).statistic))
+                          [float(v) for v in est_own], true_own, rho(est_dl, true_dl),
+                          rho(est_dw, true_dw), rho(est_own, true_own))
