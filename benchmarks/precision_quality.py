@@ -7,9 +7,11 @@ prints the final validation loss of each run and its gap to the FP32 run:
     python benchmarks/precision_quality.py --seeds 1234 1235 1236   # and the seed spread
     python benchmarks/precision_quality.py --train-iters 50 --runs fp32 uniform:fp8
 
-Each run is ``pretrain("llama")`` with the precision extension in a child process (this
-script re-invoked with ``--pretrain``), with the same seed and data order; only the linear
-GEMMs' formats differ. ``benchmarks/precision_step_time.py`` reuses :func:`train`.
+Each run is ``pretrain("llama")`` with the precision and SNIP extensions (those of
+``pretrain_llama.py``) in a child process (this script re-invoked with ``--pretrain``), with
+the same seed and data order; only the linear GEMMs' formats differ. Its output goes to
+``<run dir>/train.log``. ``benchmarks/precision_step_time.py`` and
+``benchmarks/snip_quality.py`` reuse :func:`train` and :func:`summarize`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,17 +29,41 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train(name: str, flags: list[str], out_dir: Path) -> list[dict]:
-    """One training run in a child process; returns its metrics records."""
+def train(name: str, flags: list[str], out_dir: Path, reuse: bool = False) -> list[dict]:
+    """One training run in a child process, in ``out_dir/<name>``; returns its metrics
+    records. With ``reuse``, a run that already finished there is read, not run again; any
+    other run directory of that name is deleted first (its metrics would be appended to)."""
     run_dir = out_dir / name.replace(":", "-")
+    if reuse and finished(run_dir):
+        return read_metrics(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--pretrain", "--no-save",
            "--run-dir", str(run_dir), *flags]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    with open(run_dir / "train.log", "w", encoding="utf-8") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        tail = (run_dir / "train.log").read_text(encoding="utf-8")[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{tail}")
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl``."""
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a completed run: a validation record at ``--train-iters``."""
+    try:
+        train_iters = json.loads((run_dir / "args.json").read_text())["train_iters"]
+        records = read_metrics(run_dir)
+    except (OSError, ValueError, KeyError):
+        return False
+    return any(r.get("step") == train_iters and "val_loss" in r for r in records)
 
 
 def precision_flags(run: str) -> list[str]:
@@ -91,9 +118,9 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--pretrain"]:  # child: one run (the guard matters for checkpoints)
         sys.path.insert(0, str(REPO))
-        from megatron_ext.precision import precision_extension
+        from megatron_ext.snip.extension import snip_extensions
         from megatron_ext.training.pretrain import main as pretrain_main
 
         sys.argv = [sys.argv[0], *sys.argv[2:]]
-        sys.exit(pretrain_main("llama", extensions=[precision_extension()]))
+        sys.exit(pretrain_main("llama", extensions=snip_extensions()))
     main()
