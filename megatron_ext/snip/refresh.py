@@ -66,7 +66,8 @@ def collect(args, model, dataset, consumed_samples: int, candidates: dict,
     linears = quantized_linears(model)
     loss = float("nan")
     try:
-        with torch.random.fork_rng(devices=[]):
+        gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=gpus):  # SR draws must not shift training's RNG
             torch.manual_seed(args.seed + consumed_samples)
             for mode in PASSES:
                 for obs in observers.values():

@@ -207,7 +207,7 @@ class SiteObserver:
             gen = torch.Generator().manual_seed(4 * (offset + b) + stream)
             per_sample.append(torch.randn([full[0], *full[2:]], generator=gen,
                                           dtype=torch.float64))
-        noise = torch.stack(per_sample, dim=1)
+        noise = torch.stack(per_sample, dim=1).to(t.device)  # drawn on the CPU generator
         if shard_dim is not None:
             noise = noise.narrow(shard_dim, self.tp_rank * t.shape[shard_dim], t.shape[shard_dim])
         return noise
