@@ -267,6 +267,33 @@ def seed_winners(results: Results, budget: float, policies) -> dict[int, str]:
     return out
 
 
+def paired(results: Results, budget: float, a: str, b: str) -> str:
+    """``; paired over N seeds, a - b = +x ± se (standard error)``; empty for one seed."""
+    ga, gb = results.gaps(a, budget), results.gaps(b, budget)
+    diffs = [ga[s] - gb[s] for s in ga if s in gb]
+    if len(diffs) < 2:
+        return ""
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5
+    return (f"; paired over {len(diffs)} seeds, `{a}` - `{b}` = "
+            f"{statistics.mean(diffs):+.4f} ± {se:.4f} (standard error)")
+
+
+def seed_spread(results: Results, budgets, policies) -> str:
+    """The median over cells of the seed-to-seed standard deviation of the gap (relative)."""
+    fp32 = results.losses("fp32", None)
+    spreads = []
+    for p, b in [*((r, None) for r in REFERENCES[1:]), *((p, b) for p in policies
+                                                         for b in budgets)]:
+        gaps = results.gaps(p, b)
+        if len(gaps) > 1:
+            spreads.append(statistics.stdev(100 * g / fp32[s] for s, g in gaps.items()))
+    if not spreads:
+        return ""
+    return (f"Seed-to-seed standard deviation of one run's gap to FP32: median "
+            f"{statistics.median(spreads):.2f} percentage points over the cells "
+            f"(range {min(spreads):.2f}-{max(spreads):.2f}).")
+
+
 def verdicts(results: Results, budgets, policies, best: dict) -> list[str]:
     """One plain sentence per budget: does SNIP have the smallest gap to FP32?"""
     lines, base = [], fp32_mean(results)
@@ -281,16 +308,16 @@ def verdicts(results: Results, budgets, policies, best: dict) -> list[str]:
                  f"{len(wins)} seeds." if len(wins) > 1 else "")
         if best[b] == "snip":
             runner = ranked[1] if len(ranked) > 1 else None
-            margin = (f"; next: `{runner}`, {results.mean_gap(runner, b)[1] - snip:+.4f}"
-                      if runner else "")
+            margin = (f"; next: `{runner}`, {results.mean_gap(runner, b)[1] - snip:+.4f} more"
+                      + paired(results, b, "snip", runner) if runner else "")
             lines.append(f"- E_t = {b:g}: **yes**, SNIP has the smallest gap "
                          f"({gap_text(snip, base)}){margin}.{seeds}")
         else:
             top = results.mean_gap(best[b], b)[1]
             lines.append(f"- E_t = {b:g}: **no**, `{best[b]}` has the smallest gap "
                          f"({gap_text(top, base)}); SNIP ranks {ranked.index('snip') + 1} of "
-                         f"{len(ranked)} ({gap_text(snip, base)}, {snip - top:+.4f} more)."
-                         f"{seeds}")
+                         f"{len(ranked)} ({gap_text(snip, base)}, {snip - top:+.4f} more)"
+                         f"{paired(results, b, 'snip', best[b])}.{seeds}")
     return lines
 
 
@@ -322,7 +349,8 @@ def report(args) -> str:
              *verdicts(results, args.budgets, args.policies, best), ""]
     if many:
         parts += ["Gap to FP32 per seed (" + " / ".join(map(str, results.seeds)) + "):", "",
-                  *seed_gap_table(results, args.budgets, args.policies), ""]
+                  *seed_gap_table(results, args.budgets, args.policies), "",
+                  seed_spread(results, args.budgets, args.policies), ""]
     parts += ["FP4 fraction of linear-layer FLOPs of the final plan"
               + (" (mean over seeds)" if many else "") + ":", "",
               *fp4_table(results, args.budgets, args.policies)]
@@ -335,11 +363,25 @@ def report(args) -> str:
 
 
 def plot(command: list[str], out: Path) -> None:
-    """``tools/plot_precision.py COMMAND... --out out``; warns when the PNG is too large."""
+    """``tools/plot_precision.py COMMAND... --out out``, then :func:`shrink_png`; warns when
+    the PNG is still too large for the docs."""
     subprocess.run([sys.executable, str(PLOT), *command, "--out", str(out)], check=True,
                    cwd=REPO)
+    shrink_png(out)
     if out.stat().st_size > MAX_PNG_BYTES:
         print(f"warning: {out} is {out.stat().st_size // 1000} KB", flush=True)
+
+
+def shrink_png(path: Path) -> None:
+    """Re-save as a 256-colour palette PNG (a third of the size; these figures use a few
+    dozen colours plus antialiasing)."""
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=256)
+    tmp = path.with_name(f".{path.name}.tmp")
+    small.save(tmp, format="PNG", optimize=True)
+    tmp.replace(path)
 
 
 def last_refresh(run_dir: Path) -> Path | None:
@@ -356,7 +398,7 @@ def loss_figure(args, img: Path) -> None:
     if not runs:
         return
     command = ["loss", *(str(r.dir(args.out)) for r in runs),
-               "--labels", ",".join(r.label for r in runs), "--smooth", "10", "--dpi", "80"]
+               "--labels", ",".join(r.label for r in runs), "--smooth", "10"]
     plot(command, img / f"loss_budget_{budget:g}.png")
     plot([*command, "--from-step", str(args.train_iters // 2)],
          img / f"loss_budget_{budget:g}_end.png")
