@@ -199,10 +199,12 @@ class SnipRun:
                                            args.snip_budget, args.snip_stage_balance,
                                            config, warm)
         if write and args.run_dir:
-            self._write(args.run_dir, step, stats, q, problem, solution, plan, loss, hyper)
+            self._write(args.run_dir, step, stats, q, problem, solution, plan, loss, hyper,
+                        (args.snip_loss_weight, args.snip_weight_weight))
         return plan, solution
 
-    def _write(self, run_dir, step, stats, q, problem, solution, plan, loss, hyper) -> None:
+    def _write(self, run_dir, step, stats, q, problem, solution, plan, loss, hyper,
+               weights) -> None:
         out = os.path.join(run_dir, "snip", f"step_{step:06d}")
         os.makedirs(out, exist_ok=True)
         names = [option_name(o) for o in self.options]
@@ -210,7 +212,8 @@ class SnipRun:
             "version": 1, "step": step, "loss": loss, "adam": hyper,
             "candidates": self.candidates, "sites": [s.__dict__ for s in stats]})
         write_json_atomic(os.path.join(out, "divergence.json"), _divergence_json(
-            step, names, stats, self.options, q, loss, hyper, self.policy))
+            step, names, stats, self.options, q, loss, hyper, self.policy,
+            weights))
         problem.save(os.path.join(out, "problem.json"))
         write_json_atomic(os.path.join(out, "solution.json"), solution.to_dict())
         write_json_atomic(os.path.join(out, "plan.json"), plan.to_dict())
@@ -224,11 +227,11 @@ class SnipRun:
         self._worker = None
 
 
-def _divergence_json(step, names, stats, options, q, loss, hyper, policy) -> dict:
+def _divergence_json(step, names, stats, options, q, loss, hyper, policy, weights) -> dict:
     from megatron_ext.snip.divergence import divergences
     sites = {}
-    if policy == "snip":
-        table = divergences(stats, options, loss, hyper)
+    if policy == "snip":  # the same Q as problem.json: the run's w_L, w_W
+        table = divergences(stats, options, loss, hyper, *weights)
         for s, row in zip(stats, table):
             sites[s.site] = {n: {"dL": d.dL, "dW": d.dW, "q": d.q} for n, d in zip(names, row)}
     else:
