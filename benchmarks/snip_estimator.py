@@ -2,6 +2,7 @@
 
     python benchmarks/snip_estimator.py                 # train 200 steps, then check
     python benchmarks/snip_estimator.py --train-iters 50 --out est.png
+    python benchmarks/snip_estimator.py --run-dir runs/est   # keep (or reuse) the trained run
 
 Trains the ``tiny`` Llama on the embedded corpus (``pretrain_llama.py`` in a child process,
 saving a checkpoint), loads it here in one process and runs
@@ -74,25 +75,43 @@ def _plot(result, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _ratio_range(est, true) -> str:
+    ratios = [e / t for e, t in zip(est, true) if t > 0]
+    return f"est/measured {min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def _report(result) -> None:
+    heads = ("est dL", "true dL", "est dW", "true dW", "est dWw", "true dWw", "paper dWw")
+    print(f"{'site':10} " + " ".join(f"{h:>10}" for h in heads))
+    for row in zip(result.sites, result.est_dL, result.true_dL, result.est_dW, result.true_dW,
+                   result.est_dW_wgrad, result.true_dW_wgrad, result.est_dW_wgrad_paper):
+        print(f"{row[0]:10} " + " ".join(f"{v:10.3e}" for v in row[1:]))
+    print(f"Spearman dL {result.spearman_dL:.3f} ({_ratio_range(result.est_dL, result.true_dL)})")
+    print(f"Spearman dW backward {result.spearman_dW:.3f} "
+          f"({_ratio_range(result.est_dW, result.true_dW)})")
+    print(f"Spearman dW wgrad {result.spearman_dW_wgrad:.3f} "
+          f"({_ratio_range(result.est_dW_wgrad, result.true_dW_wgrad)})")
+    print(f"Spearman dW wgrad, paper's isotropic formula {result.spearman_dW_wgrad_paper:.3f} "
+          f"({_ratio_range(result.est_dW_wgrad_paper, result.true_dW_wgrad)})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train-iters", type=int, default=200)
     p.add_argument("--noise", type=float, default=1e-2, help="--snip-noise of the probes")
     p.add_argument("--out", default=None, help="PNG of estimated vs measured")
     p.add_argument("--model-args", default="", help="extra pretrain flags, one string")
+    p.add_argument("--run-dir", default=None,
+                   help="train into this directory and keep it; when it already holds "
+                        "checkpoints, skip training and check those")
     opts = p.parse_args(argv)
     extra = opts.model_args.split()
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
-        _train(run_dir, opts.train_iters, extra)
+        run_dir = Path(opts.run_dir or Path(tmp) / "run")
+        if not (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
+            _train(run_dir, opts.train_iters, extra)
         result = run_check(run_dir, extra, opts.noise)
-    heads = ("est dL", "true dL", "est dW", "true dW", "est dWw", "true dWw")
-    print(f"{'site':10} " + " ".join(f"{h:>10}" for h in heads))
-    for row in zip(result.sites, result.est_dL, result.true_dL, result.est_dW, result.true_dW,
-                   result.est_dW_wgrad, result.true_dW_wgrad):
-        print(f"{row[0]:10} " + " ".join(f"{v:10.3e}" for v in row[1:]))
-    print(f"Spearman dL {result.spearman_dL:.3f} | dW (backward) {result.spearman_dW:.3f} | "
-          f"dW (wgrad) {result.spearman_dW_wgrad:.3f}")
+    _report(result)
     if opts.out:
         _plot(result, opts.out)
     return 0

@@ -31,18 +31,26 @@ perturbed:
       e_F² = ‖δx‖² ‖w‖² / K + ‖x‖² ‖δw‖² / K                  = ex ww / K + xx ew / K
 
 How ``e_B`` and ``e_F`` reach site ``l``'s gradient is the second-order term
-``‖∇_{X_j} g_l‖`` of §4.3.1. Two paths, two estimates:
+``‖∇_{X_j} g_l‖`` of §4.3.1. The dgrad error takes two paths:
 
 * **within the layer** the dgrad error of ``fc2`` is the ``dy`` error of ``fc1`` (through the
   SwiGLU backward), that of ``proj`` the ``dy`` error of ``qkv`` (through attention). We
   carry it over as a *relative* error ``ρ_j² = e_B² / ‖dx_j‖²`` of the predecessor's ``dy``,
   whose AdamW-weighted response is ``ρ_j² · UU_pred``;
-* **to the layers below**, through the residual stream, Theorem 4.2 on the probes: noise
-  sent down from the top in backward (step 2, ``‖ξ·w‖``) or forward (step 3, ``‖ν‖``)
-  changes ``g_l`` by ``Δg_l``; ``GA(l)² = ‖A_l ⊙ Δg_l‖² / ε²`` is the gain from the top.
-  **Our approximation**: an error entering at site ``j`` reaches the sites below with the
-  same gain as one entering at the top (the residual stream carries it past every layer at
-  unit gain; layer-norm and attention gains are not modelled).
+* **into the residual stream** at the *entry site* ``r`` of the branch (``qkv`` or ``fc1``,
+  the site itself or its predecessor), through the norm in front of it: the relative error
+  ``ρ_j²`` of ``dx_r`` becomes ``e_R² = ρ_j² · Σ_m ‖dx_r,m‖² κ_m²`` there (``dxdxN``, the
+  norm's gain κ² per row, :mod:`megatron_ext.snip.stats`), and reaches every site below
+  ``r``. How far is Theorem 4.2 on the step-2 probe: noise ``ξ`` as the residual-stream
+  gradient at the top gives site ``l`` the gradient ``Δg_l`` and the residual point in front
+  of ``r``'s norm the gradient ``Δh_r`` (``resB``). Everything from above reaches the layers
+  below ``r`` through that one point, so the gain from ``r`` to ``l`` is
+  ``GA_B(r, l)² = ‖A_l ⊙ Δg_l‖² / ‖Δh_r‖²``. **Our approximation**: that gain is the same
+  for the quantization error as for the probe's response (both isotropic).
+
+The forward error is carried like the step-3 probe (noise ``ν`` on the last ``fc2``'s input):
+``GA_F(l)² = ‖A_l ⊙ Δg_l‖² / ‖ν‖²`` for every site at or below ``j`` (**approximation**: an
+error entering at ``j`` reaches the sites with the gain measured from the top).
 
 **Weight divergence** (§4.3.2, Definition 4.4) through AdamW's derivative ``α c A``
 (:mod:`megatron_ext.snip.adam`), kept element-wise::
@@ -55,7 +63,7 @@ whose ``A`` is dominated by a few weights with ``v ≈ 0`` (and ``g ≈ 0``). In
 (``WGdy + WGx``, :mod:`megatron_ext.snip.stats`), the propagated ones as above::
 
       ‖A_l ⊙ δg_l‖² = [l = j] (WGdy + WGx) + [l = pred(j)] ρ_j² UU_l
-                      + [l < j] e_B² GA_B(l)² + [l <= j] e_F² GA_F(l)²
+                      + [l < r(j)] e_R² GA_B(r(j), l)² + [l <= j] e_F² GA_F(l)²
 
 with ``S`` the number of sites. **Quality loss** ``Q = w_L ΔL + w_W ΔW`` (§5.1, weights 1
 by default).
@@ -140,22 +148,23 @@ def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper
     lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
     c = math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
     scale = np.array([lr * c * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
-    noise_b = sum(s.stats["noiseB"] for s in sites)
     noise_f = sum(s.stats["noiseF"] for s in sites)
-    gain_b = np.array([_safe_div(s.stats["dgAB"], noise_b) for s in sites])
+    response_b = np.array([s.stats["dgAB"] for s in sites])
     gain_f = np.array([_safe_div(s.stats["dgAF"], noise_f) for s in sites])
     pred = _predecessors(sites)
     out = np.zeros((len(sites), len(options)))
     for j, s in enumerate(sites):
-        below = np.arange(len(sites)) < j
+        entry = j if pred[j] is None else pred[j]
+        below = np.arange(len(sites)) < entry
         upto = np.arange(len(sites)) <= j
         for i, o in enumerate(options):
             own, e_b, e_f = _gradient_errors(s, o)
-            e_b = e_b if include_dgrad else 0.0
-            dg2 = e_b * gain_b * below + (e_f * gain_f * upto if include_forward else 0.0)
+            rho2 = _safe_div(e_b, s.stats["dxdx"]) if include_dgrad else 0.0
+            e_r = rho2 * _safe_div(sites[entry].stats["dxdxN"], sites[entry].stats["resB"])
+            dg2 = e_r * response_b * below + (e_f * gain_f * upto if include_forward else 0.0)
             dg2[j] += own
             if pred[j] is not None:
-                dg2[pred[j]] += _safe_div(e_b, s.stats["dxdx"]) * sites[pred[j]].stats["UU"]
+                dg2[pred[j]] += rho2 * sites[pred[j]].stats["UU"]
             out[j, i] = float(np.sum(scale * np.sqrt(dg2))) / len(sites)
     return out
 

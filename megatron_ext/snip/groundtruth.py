@@ -15,12 +15,15 @@ On a trained model and one fixed held-out global batch:
   error flows into every layer below.
 
 Both are compared by Spearman rank correlation over the sites (the ILP only needs the
-ranking and the relative sizes). Used by ``benchmarks/snip_estimator.py`` and its test.
+ranking and the relative sizes). For comparison the check also evaluates the paper's own
+formula for the wgrad case, ``α c ‖A‖ ‖δg‖ / √(NK)`` with the isotropic ``‖δg‖² = Gdy + Gx``
+(:func:`paper_weight_divergences`). Used by ``benchmarks/snip_estimator.py`` and its test.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +31,7 @@ import torch
 
 from megatron_ext.precision.plan import PrecisionPlan, apply_plan
 from megatron_ext.precision.sites import SiteFormats
-from megatron_ext.snip.divergence import loss_divergence, weight_divergences
+from megatron_ext.snip.divergence import SiteStats, loss_divergence, weight_divergences
 from megatron_ext.snip.refresh import adam_statistics, collect, reduce_statistics
 from megatron_ext.training import loop
 
@@ -51,12 +54,16 @@ class EstimatorCheck:
     """SNIP's ΔW estimate of the wgrad operands in FP4."""
     true_dW_wgrad: list[float]
     """Measured ΔW of one AdamW step with the site's wgrad operands in FP4."""
+    est_dW_wgrad_paper: list[float]
+    """The paper's isotropic ``‖A‖‖δg‖/√(NK)`` estimate of the wgrad case (§4.3.2)."""
     spearman_dL: float
     """Rank correlation of est_dL and true_dL."""
     spearman_dW: float
     """Rank correlation of est_dW and true_dW (backward)."""
     spearman_dW_wgrad: float
     """Rank correlation of est_dW_wgrad and true_dW_wgrad."""
+    spearman_dW_wgrad_paper: float
+    """Rank correlation of est_dW_wgrad_paper and true_dW_wgrad."""
 
 
 def _loss(args, model, dataset) -> float:
@@ -97,6 +104,19 @@ def _weight_divergence(before, after) -> float:
     return float(np.mean([float((a - b).norm() / b.norm()) for a, b in zip(after, before)]))
 
 
+def paper_weight_divergences(sites: list[SiteStats], o: SiteFormats, hyper: dict) -> list[float]:
+    """Each site's ΔW term from its own wgrad error with the paper's isotropic AdamW bound
+    ``(1/S) α c ‖A‖ ‖δg‖ / (√(NK) ‖W‖)``, ``‖δg‖² = Gdy + Gx`` (for comparison only)."""
+    lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
+    c = math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    out = []
+    for s in sites:
+        st = s.stats
+        dg = math.sqrt(st["Gdy"][o.dy] + st["Gx"][o.x])
+        out.append(lr * c * math.sqrt(st["AA"]) * dg / math.sqrt(s.n * s.k * st["ww"]) / len(sites))
+    return out
+
+
 def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: dict,
           noise: float) -> EstimatorCheck:
     """Run the check on ``dataset``'s first global batch (single process)."""
@@ -131,7 +151,8 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
             out.append(_weight_divergence(reference, _site_weights(run, sites)))  # Def. 4.4
             _restore(run, snap)
     apply_plan(run.model, empty, num_layers)
+    paper = paper_weight_divergences(stats, fp4, hyper)
     rho = lambda a, b: float(spearmanr(a, b).statistic)  # noqa: E731
     return EstimatorCheck(sites, est_dl, true_dl, [float(v) for v in est_dw], true_dw,
-                          [float(v) for v in est_own], true_own, rho(est_dl, true_dl),
-                          rho(est_dw, true_dw), rho(est_own, true_own))
+                          [float(v) for v in est_own], true_own, paper, rho(est_dl, true_dl),
+                          rho(est_dw, true_dw), rho(est_own, true_own), rho(paper, true_own))

@@ -5,8 +5,9 @@ three times through megatron's own pipeline schedule with every site's observer 
 (:mod:`megatron_ext.snip.stats`), and no optimizer step:
 
 1. ``base``: unquantized forward/backward, every statistic, the baseline gradients;
-2. ``probe_backward``: noise added to the gradient entering the last layer;
-3. ``probe_forward``: noise added to the last layer's input.
+2. ``probe_backward``: the gradient of the last layer's output (the residual stream)
+   replaced by noise;
+3. ``probe_forward``: noise added to the input of the last layer's ``fc2``.
 
 The gradient buffers are zeroed afterwards and the torch RNG state is restored, so the normal
 step that follows is exactly the step it would have been. After that step,
@@ -17,9 +18,12 @@ the same :class:`~megatron_ext.snip.divergence.SiteStats` list, in global site o
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.layers import quantized_linears
@@ -43,26 +47,53 @@ def _sample_offsets(args, consumed: int) -> list[int]:
 
 
 def attach(model, candidates: dict, num_layers: int, noise_scale: float
-           ) -> dict[str, SiteObserver]:
-    """An observer on every local site; the last layer's fc2 carries the probe noise."""
+           ) -> tuple[dict[str, SiteObserver], list]:
+    """An observer on every local site (the last layer's fc2 carries the probe noise) and the
+    forward hooks they need; returns (observers, hook handles)."""
     noise_site = site_id(num_layers - 1, "fc2")
     observers = {}
     for sid, module in quantized_linears(model).items():
         observers[sid] = SiteObserver(sid, module, candidates,
                                       noise_scale if sid == noise_site else 0.0)
         module.observer = observers[sid]
-    return observers
+    return observers, _layer_hooks(model, observers)
 
 
-def detach(model) -> None:
+def _layer_hooks(model, observers: dict[str, SiteObserver]) -> list:
+    """Each norm reports its gain κ² and its input's step-2 gradient to the site it feeds; the
+    noise site's layer output gets the residual-stream probe."""
+    handles = []
+    for chunk in model:
+        for layer in (m for m in chunk.modules() if isinstance(m, TransformerLayer)):
+            for norm, linear in ((layer.input_layernorm, layer.self_attention.linear_qkv),
+                                 (layer.pre_mlp_layernorm, layer.mlp.linear_fc1)):
+                obs = observers.get(getattr(linear, "site_id", None))
+                if obs is not None:
+                    handles.append(norm.register_forward_hook(
+                        lambda norm, inputs, _, obs=obs: obs.norm_forward(norm, inputs[0])))
+            obs = observers.get(getattr(layer.mlp.linear_fc2, "site_id", None))
+            if obs is not None and obs.noise_scale:
+                handles.append(layer.register_forward_hook(partial(_residual_probe, obs)))
+    return handles
+
+
+def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
+    hidden = output[0] if isinstance(output, tuple) else output
+    if obs.mode == PROBE_BACKWARD and hidden.requires_grad:
+        hidden.register_hook(obs.residual_probe)
+
+
+def detach(model, handles: list) -> None:
     for module in quantized_linears(model).values():
         module.observer = None
+    for handle in handles:
+        handle.remove()
 
 
 def collect(args, model, dataset, consumed_samples: int, candidates: dict,
             noise_scale: float) -> tuple[dict[str, SiteObserver], float]:
     """Steps 1-3 on the batch at ``consumed_samples``; returns (observers, base loss)."""
-    observers = attach(model, candidates, args.num_layers, noise_scale)
+    observers, handles = attach(model, candidates, args.num_layers, noise_scale)
     linears = quantized_linears(model)
     loss = float("nan")
     try:
@@ -81,7 +112,7 @@ def collect(args, model, dataset, consumed_samples: int, candidates: dict,
                 for chunk in model:
                     chunk.zero_grad_buffer()
     finally:
-        detach(model)
+        detach(model, handles)
     return observers, loss
 
 

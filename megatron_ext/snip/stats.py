@@ -32,7 +32,10 @@ statistic      value                                              used for
 ``Bw[f]``      Σ_n ‖δ_f(w)_n‖² ‖dy_{:,n}‖²   (dgrad)              dgrad error ‖δdx‖
 ``Gdy[f]``     Σ_m ‖δ_f(dy)_m‖² ‖x_m‖²       (wgrad, along T)     own weight-gradient error
 ``Gx[f]``      Σ_m ‖dy_m‖² ‖δ_f(x)_m‖²       (wgrad, along T)     own weight-gradient error
-``dgB dgF``    ‖g_probe - g_base‖²  (steps 2 / 3)                 ‖∇g‖ by Theorem 4.2
+``dxdxN``      Σ_m ‖dx_m‖² κ_m²  (qkv, fc1: after a norm)         dgrad error into the residual
+``dgB dgF``    ‖Δg‖²: step-2 response, ‖g_probe - g_base‖² (3)    ‖∇g‖ by Theorem 4.2
+``resB``       ‖step-2 response of the residual gradient‖²        gain from the top to the site's
+               at the norm in front (qkv, fc1)                    residual entry point
 ``AA``         ‖A‖² (AdamW derivative, :mod:`.adam`)              report
 ``WGdy[f]``    Σ_nk A²_nk Σ_m δ_f(dy)_mn² x_mk²     (wgrad)        own AdamW-weighted error
 ``WGx[f]``     Σ_nk A²_nk Σ_m dy_mn² δ_f(x)_mk²     (wgrad)        own AdamW-weighted error
@@ -46,10 +49,21 @@ N x K tensor per candidate accumulated over the pass (one extra GEMM of squares 
 micro-batch). The last three rows need AdamW's state after the step:
 :meth:`SiteObserver.adam_weighted` reduces the tensors against ``A²`` once that step is done.
 
-Steps 2 and 3 (:data:`PROBE_BACKWARD`, :data:`PROBE_FORWARD`) add Gaussian noise at the
-**noise site** (the last layer's ``fc2``): to its ``dy`` (the gradient entering the last layer
-from above) or to its input ``x``; the noise is drawn per sample from a generator seeded by
-the sample's global index, so every TP / DP layout draws the same numbers.
+``κ_m²`` is the gain of the norm in front of ``qkv`` / ``fc1`` for an isotropic error in the
+site's ``dx`` row ``m``: the norm's backward ``J^T δ = (γ ⊙ δ - x̂ (x̂ · γ ⊙ δ)/H) / r_m``
+(``r_m`` the row's RMS, or its standard deviation for LayerNorm) has
+``E‖J^T δ‖² = ‖δ‖² κ_m²`` with ``κ_m² = mean(γ²) / (r_m² + eps)``, dropping the O(1/H)
+projection term. :meth:`SiteObserver.norm_forward` takes it from a forward hook on the norm.
+
+Steps 2 and 3 (:data:`PROBE_BACKWARD`, :data:`PROBE_FORWARD`) use Gaussian noise in the last
+layer. In backward, the gradient of the last layer's output (the **residual stream** at the
+top) is *replaced* by noise ``ξ`` (:meth:`SiteObserver.residual_probe`, a hook on that
+output): the backward pass is linear in its incoming gradient, so every gradient below is
+then exactly the response ``J^T ξ`` (no difference of two nearly equal passes), through both
+the skip connections and the branches. In forward, noise is added to the input ``x`` of the
+**noise site** (the last layer's ``fc2``), whose observer draws both. The noise is drawn per
+sample from a generator seeded by the sample's global index, so every TP / DP layout draws
+the same numbers.
 """
 
 from __future__ import annotations
@@ -67,9 +81,10 @@ from megatron_ext.precision.sites import PASSTHROUGH
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
 """Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
 
-SCALARS = ("xx", "ww", "dydy", "dxdx", "dwdw", "AA", "UU", "dgB", "dgF", "dgAB", "dgAF",
-           "noiseB", "noiseF")
-"""Per-site scalar statistics (``noiseB``: ‖ξ·w‖² of the backward noise, ``noiseF``: ‖ν‖²; noise site only)."""
+SCALARS = ("xx", "ww", "dydy", "dxdx", "dxdxN", "dwdw", "AA", "UU", "dgB", "dgF", "dgAB",
+           "dgAF", "resB", "noiseB", "noiseF")
+"""Per-site scalar statistics (``noiseB``: ‖ξ‖² of the residual-stream noise, ``noiseF``:
+‖ν‖² of the forward noise; noise site only)."""
 PER_FORMAT = {"Lx": "x", "ex": "x", "Gx": "x", "WGx": "x", "Lw": "w", "ew": "w", "Bw": "w",
               "Bdy": "dy", "Gdy": "dy", "WGdy": "dy"}
 
@@ -86,6 +101,17 @@ def _error(t: torch.Tensor, name: str, axis: int) -> torch.Tensor:
     if name == PASSTHROUGH:
         return torch.zeros_like(t)
     return quantize(t, get_format(name), axis=axis) - t
+
+
+def _norm_gain(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """κ_m² = mean(γ²) / (r_m² + eps) per row of the norm's input ``h``."""
+    h = h.detach().double()
+    if isinstance(norm, torch.nn.LayerNorm):
+        h = h - h.mean(-1, keepdim=True)
+    eps = norm.eps if norm.eps is not None else torch.finfo(h.dtype).eps
+    gamma2 = norm.weight.detach().double().square().mean() if norm.weight is not None \
+        else 1.0
+    return gamma2 / (h.square().mean(-1).reshape(-1) + eps)
 
 
 class SiteObserver:
@@ -117,6 +143,8 @@ class SiteObserver:
         self._var_u = 0.0
         self._var_x = {f: 0.0 for f in candidates["x"]}
         self._fwd_micro = self._bwd_micro = 0
+        self._norm_gain = None
+        """κ_m² rows of the norm that just ran in front of this site (base pass only)."""
 
     # -- replication -------------------------------------------------------------------
     @property
@@ -162,10 +190,29 @@ class SiteObserver:
             self._add("ex", r, f, rep)
         return rows
 
-    def input_backward(self, rows: torch.Tensor, dx: torch.Tensor) -> None:
+    def norm_forward(self, norm: torch.nn.Module, h: torch.Tensor) -> None:
+        """Forward hook of the norm in front of this site, on its input (the residual stream):
+        base pass: κ_m² for the next tap; step 2: watch the residual gradient's response."""
+        if self.mode == BASE:
+            self._norm_gain = _norm_gain(norm, h)
+        elif self.mode == PROBE_BACKWARD and h.requires_grad:
+            h.register_hook(self._residual_response)
+
+    def _residual_response(self, grad: torch.Tensor) -> None:
+        rep = 1.0 / self.tp if self.x_rows_replicated else 1.0
+        self.stats["resB"] += float(grad.detach().double().square().sum()) * rep / self.dp ** 2
+
+    def take_norm_gain(self) -> torch.Tensor | None:
+        gain, self._norm_gain = self._norm_gain, None
+        return gain
+
+    def input_backward(self, rows: torch.Tensor, dx: torch.Tensor,
+                       norm_gain: torch.Tensor | None) -> None:
         dx_rows = self._tp_complete(_rows_sq(dx), not self.column) / self.dp ** 2
         rep = 1.0 / self.tp if self.x_rows_replicated else 1.0
         self._add("dxdx", dx_rows, rep=rep)
+        if norm_gain is not None:
+            self._add("dxdxN", dx_rows * norm_gain, rep=rep)
         for f, r in zip(self.candidates["x"], rows[1:]):
             self._add("Lx", dx_rows * r, f, rep)
 
@@ -227,16 +274,17 @@ class SiteObserver:
         self.stats["noiseF"] += float(noise.square().sum()) * rep
         return x + noise.to(x.dtype)
 
-    def add_backward_noise(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``dy + ξ``; records ‖ξ·w‖², the perturbation it sends down (dx units, like a
-        site's dgrad error ``e_B``). The noise site is row-parallel: ``dy`` is replicated
-        over TP and ``ξ·w`` is this rank's slice of dx."""
-        sigma = self.noise_scale * self._global_rms(dy, False)
-        noise = sigma * self.noise_like(dy, None, self._bwd_micro)
+    def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
+        """Noise ``ξ`` that replaces the gradient of the last layer's output (a tensor hook);
+        records ‖ξ‖². That output is this site's: sequence-sharded over TP under SP, else
+        replicated."""
+        shard = 0 if self.sequence_parallel else None
+        sigma = self.noise_scale * self._global_rms(grad, shard is not None)
+        noise = sigma * self.noise_like(grad, shard, self._bwd_micro)
         self._bwd_micro += 1
-        sent_down = noise.to(weight.dtype) @ weight.detach()
-        self.stats["noiseB"] += float(sent_down.double().square().sum()) / self.dp ** 2
-        return dy + noise.to(dy.dtype)
+        rep = 1.0 / self.tp if shard is None else 1.0
+        self.stats["noiseB"] += float(noise.square().sum()) * rep / self.dp ** 2
+        return noise.to(grad.dtype)
 
     # -- end of a pass -------------------------------------------------------------------
     def end_pass(self, weight: torch.Tensor) -> None:
@@ -250,8 +298,9 @@ class SiteObserver:
             self._weight_stats(weight.detach().double(), dw)
             self._g_base = dw
         else:
-            key = "dgB" if self.mode == PROBE_BACKWARD else "dgF"
-            self._probe_dg[key] = dw - self._g_base
+            backward = self.mode == PROBE_BACKWARD
+            key = "dgB" if backward else "dgF"
+            self._probe_dg[key] = dw if backward else dw - self._g_base  # step 2: J^T ξ itself
             self.stats[key] += float(self._probe_dg[key].square().sum()) / self.dp
         self._dw = None
 
@@ -291,11 +340,12 @@ class _TapInput(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, obs: SiteObserver) -> torch.Tensor:
         ctx.obs = obs
         ctx.rows = obs.input_forward(x)
+        ctx.norm_gain = obs.take_norm_gain()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, dx: torch.Tensor):
-        ctx.obs.input_backward(ctx.rows, dx)
+        ctx.obs.input_backward(ctx.rows, dx, ctx.norm_gain)
         return dx, None
 
 
@@ -317,8 +367,6 @@ class _ObservedGemm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         obs = ctx.obs
-        if obs.mode == PROBE_BACKWARD and obs.noise_scale:
-            dy = obs.add_backward_noise(dy, weight)
         dx = torch.matmul(dy, weight)
         dy2 = dy.contiguous().view(-1, dy.shape[-1])
         x2 = x.contiguous().view(-1, x.shape[-1])
