@@ -14,6 +14,8 @@ Prints the table and the Spearman rank correlations; ``--out`` plots estimated v
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--noise", type=float, default=1e-2, help="--snip-noise of the probes")
     p.add_argument("--out", default=None, help="PNG of estimated vs measured")
     p.add_argument("--model-args", default="", help="extra pretrain flags, one string")
+    p.add_argument("--json", default=None, help="write every number of the check here")
     p.add_argument("--run-dir", default=None,
                    help="train into this directory and keep it; when it already holds "
                         "checkpoints, skip training and check those")
@@ -112,6 +115,8 @@ def main(argv=None) -> int:
             _train(run_dir, opts.train_iters, extra)
         result = run_check(run_dir, extra, opts.noise)
     _report(result)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))
     if opts.out:
         _plot(result, opts.out)
     return 0

@@ -35,7 +35,7 @@ from megatron_ext.precision.extension import PrecisionRun, precision_extension
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.sites import SITES, ROLES, SiteFormats, site_id
 from megatron_ext.snip import planner
-from megatron_ext.snip.divergence import SiteStats
+from megatron_ext.snip.divergence import SiteStats, divergences
 from megatron_ext.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.snip.options import DEFAULT_CANDIDATES, option_name, parse_candidates
 from megatron_ext.snip.problem import write_json_atomic
@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-apply-lag", type=int, default=2, metavar="STEPS",
                    help="a refresh's plan is applied this many steps after it")
     g.add_argument("--snip-noise", type=float, default=1e-2, metavar="EPS",
-                   help="probe noise std relative to the tensor's RMS (steps 2-3)")
+                   help="probe noise std relative to the gradient's RMS per token (step 2) and "
+                        "the input's RMS (step 3)")
     g.add_argument("--snip-loss-weight", type=float, default=1.0, help="w_L in Q = w_L ΔL + w_W ΔW")
     g.add_argument("--snip-weight-weight", type=float, default=1.0, help="w_W in Q")
     g.add_argument("--snip-time-limit", type=float, default=30.0, help="ILP seconds (HiGHS)")
@@ -184,9 +185,14 @@ class SnipRun:
     def _solve(self, args, stats, step, loss=1.0, hyper=None, write=False):
         shape = ModelShape.from_args(args)
         sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
-        q = planner.quality_table(self.policy, stats, self.options, loss, hyper, shape,
-                                  args.snip_seed,
-                                  (args.snip_loss_weight, args.snip_weight_weight))
+        weights = (args.snip_loss_weight, args.snip_weight_weight)
+        table = None  # ΔL, ΔW, Q per site x option (snip only), kept for divergence.json
+        if self.policy == "snip":
+            table = divergences(stats, self.options, loss, hyper, *weights)
+            q = planner.divergence_q(table)
+        else:
+            q = planner.quality_table(self.policy, stats, self.options, loss, hyper, shape,
+                                      args.snip_seed, weights)
         fixed = planner.stage_fixed_times(shape, args.seq_length,
                                           getattr(args, "padded_vocab_size", 0) or 0)
         problem = planner.build_problem(sites, self.options, q, shape, fixed,
@@ -199,21 +205,20 @@ class SnipRun:
                                            args.snip_budget, args.snip_stage_balance,
                                            config, warm)
         if write and args.run_dir:
-            self._write(args.run_dir, step, stats, q, problem, solution, plan, loss, hyper,
-                        (args.snip_loss_weight, args.snip_weight_weight))
+            self._write(args.run_dir, step, stats, q, table, problem, solution, plan, loss,
+                        hyper)
         return plan, solution
 
-    def _write(self, run_dir, step, stats, q, problem, solution, plan, loss, hyper,
-               weights) -> None:
+    def _write(self, run_dir, step, stats, q, table, problem, solution, plan, loss,
+               hyper) -> None:
         out = os.path.join(run_dir, "snip", f"step_{step:06d}")
         os.makedirs(out, exist_ok=True)
         names = [option_name(o) for o in self.options]
         write_json_atomic(os.path.join(out, "stats.json"), {
             "version": 1, "step": step, "loss": loss, "adam": hyper,
             "candidates": self.candidates, "sites": [s.__dict__ for s in stats]})
-        write_json_atomic(os.path.join(out, "divergence.json"), _divergence_json(
-            step, names, stats, self.options, q, loss, hyper, self.policy,
-            weights))
+        write_json_atomic(os.path.join(out, "divergence.json"),
+                          _divergence_json(step, names, stats, q, table, self.policy))
         problem.save(os.path.join(out, "problem.json"))
         write_json_atomic(os.path.join(out, "solution.json"), solution.to_dict())
         write_json_atomic(os.path.join(out, "plan.json"), plan.to_dict())
@@ -227,11 +232,10 @@ class SnipRun:
         self._worker = None
 
 
-def _divergence_json(step, names, stats, options, q, loss, hyper, policy, weights) -> dict:
-    from megatron_ext.snip.divergence import divergences
+def _divergence_json(step, names, stats, q, table, policy) -> dict:
+    """ΔL, ΔW and Q per site and option (the same Q as problem.json); other policies: Q."""
     sites = {}
-    if policy == "snip":  # the same Q as problem.json: the run's w_L, w_W
-        table = divergences(stats, options, loss, hyper, *weights)
+    if table is not None:
         for s, row in zip(stats, table):
             sites[s.site] = {n: {"dL": d.dL, "dW": d.dW, "q": d.q} for n, d in zip(names, row)}
     else:

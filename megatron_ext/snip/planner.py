@@ -28,7 +28,8 @@ import numpy as np
 from megatron_ext.precision.cost import SPEED, ModelShape, gemm_class
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.sites import GEMM_ROLES, SiteFormats, parse_site_id
-from megatron_ext.snip.divergence import SiteStats, divergences, quantization_errors
+from megatron_ext.snip.divergence import (Divergence, SiteStats, divergences,
+                                           quantization_errors)
 from megatron_ext.snip.ilp import Solution, SolverConfig, solve
 from megatron_ext.snip.options import option_name
 from megatron_ext.snip.problem import Option, Problem, Site
@@ -97,12 +98,16 @@ def quality_table(policy: str, stats: list[SiteStats] | None, options: list[Site
                   seed: int = 0, weights: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
     """``q[site, option]`` of ``policy`` (see the module docstring)."""
     if policy == "snip":
-        div = divergences(stats, options, loss, hyper, *weights)
-        return np.array([[d.q for d in row] for row in div])
+        return divergence_q(divergences(stats, options, loss, hyper, *weights))
     if policy in ("min-abs-err", "min-rel-err"):
         rel = policy == "min-rel-err"
         return np.array([[quantization_errors(s, o, rel) for o in options] for s in stats])
     return _static_table(policy, options, shape, seed)
+
+
+def divergence_q(table: list[list[Divergence]]) -> np.ndarray:
+    """``q[site, option]`` of a :func:`~megatron_ext.snip.divergence.divergences` table."""
+    return np.array([[d.q for d in row] for row in table])
 
 
 def _static_table(policy: str, options: list[SiteFormats], shape: ModelShape,

@@ -276,10 +276,11 @@ class SiteObserver:
 
     def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
         """Noise ``ξ`` that replaces the gradient of the last layer's output (a tensor hook);
-        records ‖ξ‖². That output is this site's: sequence-sharded over TP under SP, else
-        replicated."""
+        records ‖ξ‖². Each token's noise is relative to that token's gradient RMS, as a
+        block-scaled format's error is. That output is this site's: sequence-sharded over TP
+        under SP, else replicated."""
         shard = 0 if self.sequence_parallel else None
-        sigma = self.noise_scale * self._global_rms(grad, shard is not None)
+        sigma = self.noise_scale * grad.detach().double().square().mean(-1, keepdim=True).sqrt()
         noise = sigma * self.noise_like(grad, shard, self._bwd_micro)
         self._bwd_micro += 1
         rep = 1.0 / self.tp if shard is None else 1.0

@@ -114,7 +114,7 @@ def test_probes_measure_the_gradient_change_of_the_noise():
     obs = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1)
     _run(layer, obs, x, r)
     _run(layer, obs, x, r, PROBE_BACKWARD)
-    xi = obs.noise_like(r, None, 0) * 0.1 * float(r.square().mean().sqrt())
+    xi = obs.noise_like(r, None, 0) * 0.1 * r.double().square().mean(-1, keepdim=True).sqrt()
     delta_b = xi.reshape(-1, H).t() @ x.reshape(-1, F).double()
     assert obs.stats["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
     assert obs.stats["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
