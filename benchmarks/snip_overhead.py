@@ -19,9 +19,10 @@ From the per-step ``step_time_s`` (the run needs ``--log-interval 1``) this repo
 * the analysis + ILP seconds when the run's ``train.log`` holds the planner's lines.
 
 "Normal" steps are all others except the first ``--skip`` (warm-up), the refresh steps
-``s+1`` and the background steps. ``step_time_s`` covers the training step only: neither the
-collection (reported separately), the statistics reduction after step ``s+1`` nor the plan
-switch before ``s+D+1`` is in it. ``--train`` makes the run with :data:`TRAIN_FLAGS` through
+``s+1`` and the background steps. ``step_time_s`` covers the training step only: the
+collection (``snip_collect_s``), the AdamW read and statistics reduction after step ``s+1``
+(``snip_reduce_s``) and the plan switch before ``s+D+1`` (``snip_apply_s``, waiting for the
+worker included) are reported beside it. ``--train`` makes the run with :data:`TRAIN_FLAGS` through
 ``benchmarks/precision_quality.py``'s :func:`train` (a longer lag and more refreshes than the
 quality grid, to have more background steps to compare).
 """
@@ -86,6 +87,11 @@ def refreshes(records: list[dict]) -> dict[int, float]:
             for r in records if "snip_refresh" in r}
 
 
+def side_seconds(records: list[dict], key: str) -> list[float]:
+    """Every value of a SNIP timing outside ``step_time_s`` (``snip_reduce_s``, ...)."""
+    return [r[key] for r in records if key in r]
+
+
 def worker_seconds(log: Path) -> dict[int, float]:
     """Refresh step -> background analysis + ILP seconds, from the run's printed lines."""
     if not log.exists():
@@ -147,6 +153,13 @@ def report(run_dir: Path, skip: int) -> str:
                      f"{len(r.before)} | {1e3 * statistics.median(r.before):.0f} | "
                      f"{100 * (r.ratio - 1):+.1f} % |")
     lines += ["", *by_offset(found), "", *summary(found, unit, interval)]
+    for key, what in (("snip_reduce_s", "AdamW read + statistics all-reduce after step s+1"),
+                      ("snip_apply_s", "plan switch before step s+D+1 (worker wait included)")):
+        values = side_seconds(records, key)
+        if values:
+            med = statistics.median(values)
+            lines.append(f"- {what}: median {med:.3f} s = {med / unit:.2f} normal steps "
+                         f"({len(values)} times)")
     return "\n".join(lines) + "\n"
 
 

@@ -89,6 +89,7 @@ class SnipRun:
         self._worker: threading.Thread | None = None
         self._result: dict | None = None
         self._collect_s = 0.0
+        self._apply_s: float | None = None
         self.run = None
 
     # -- flags -------------------------------------------------------------------------
@@ -127,7 +128,9 @@ class SnipRun:
     def before_step(self, args, run, state) -> None:
         self.run = run
         if self.pending is not None and state.iteration == self.pending["apply"]:
+            start = time.perf_counter()
             self._apply(args)
+            self._apply_s = time.perf_counter() - start
         if self._refresh_due(args, state.iteration):
             start = time.perf_counter()
             self._collected = collect(args, run.model, run.datasets[0], state.consumed_samples,
@@ -135,17 +138,25 @@ class SnipRun:
             self._collect_s = time.perf_counter() - start
 
     def on_step(self, args, model, state) -> dict | None:
-        if self._collected is None:
-            return None
-        observers, loss = self._collected
-        self._collected = None
-        hyper = adam_statistics(self.run.optimizer, model, observers)
-        stats = reduce_statistics(observers, args, self.candidates)
-        step = state.iteration - 1
-        self.pending = {"step": step, "apply": step + args.snip_apply_lag,
-                        "stats": [s.__dict__ for s in stats], "loss": loss, "hyper": hyper}
-        self._start_worker(args)
-        return {"snip_refresh": step, "snip_collect_s": self._collect_s}
+        """Metrics of this step: ``snip_apply_s`` (plan switch before it, waiting for the
+        worker included); after a refresh's step ``s+1``: ``snip_collect_s`` (steps 1-3
+        before it) and ``snip_reduce_s`` (AdamW read + the all-reduce, after it)."""
+        metrics = {}
+        if self._apply_s is not None:
+            metrics["snip_apply_s"], self._apply_s = self._apply_s, None
+        if self._collected is not None:
+            start = time.perf_counter()
+            observers, loss = self._collected
+            self._collected = None
+            hyper = adam_statistics(self.run.optimizer, model, observers)
+            stats = reduce_statistics(observers, args, self.candidates)
+            step = state.iteration - 1
+            self.pending = {"step": step, "apply": step + args.snip_apply_lag,
+                            "stats": [s.__dict__ for s in stats], "loss": loss, "hyper": hyper}
+            self._start_worker(args)
+            metrics.update(snip_refresh=step, snip_collect_s=self._collect_s,
+                           snip_reduce_s=time.perf_counter() - start)
+        return metrics or None
 
     # -- worker (rank 0) -----------------------------------------------------------------
     def _start_worker(self, args) -> None:

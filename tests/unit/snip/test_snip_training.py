@@ -49,6 +49,9 @@ def test_plan_switches_at_the_apply_step(snip_run):
     assert len(set(hashes[:4])) == 1 and fp4[:4] == [0.0] * 4
     assert hashes[4] != hashes[3] and all(f >= 0.5 - 1e-9 for f in fp4[4:])
     assert [r.get("snip_refresh") for r in records][2] == 2
+    # the timings outside step_time_s: reduction after step s+1, plan switch before s+lag+1
+    assert [i for i, r in enumerate(records) if "snip_reduce_s" in r] == [2, 5]
+    assert [i for i, r in enumerate(records) if "snip_apply_s" in r] == [4, 7]
     plan = load_plan(str(snip_run / "snip" / "step_000002" / "plan.json"))
     assert hashes[4] == plan.replace(stage_fp4_frac=[fp4[4]]).hash[:12]
 
