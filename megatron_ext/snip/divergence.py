@@ -22,9 +22,13 @@ perturbed:
 
       ‖δg_j‖²_own = Σ_m ‖δdy_m‖² ‖x_m‖² + Σ_m ‖dy_m‖² ‖δx_m‖²  = Gdy[f_dy] + Gx[f_x]
 
-* its dgrad error ``δdx = δdy·w + dy·δw`` that flows down into the layers below::
+* its dgrad error ``δdx = δdy·w + dy·δw`` that flows down into the layers below, with
+  random-sign element errors summed over the reduction axis ``n``::
 
-      e_B² = ‖δdy‖² ‖w‖² / N + Σ_n ‖δw_n‖² ‖dy_{:,n}‖²       = Bdy ww / N + Bw
+      e_B² = Σ_n ‖δdy_{:,n}‖² ‖w_n‖² + Σ_n ‖δw_n‖² ‖dy_{:,n}‖²  = Bdyw + Bw
+
+  (not the isotropic ``‖δdy‖² ‖w‖² / N``: for ``qkv`` the error of ``dy`` sits in the
+  columns where ``dy`` is large, whose rows of ``w`` are not average)
 
 * its forward error ``δy = δx·w^T + x·δw^T`` that changes the loss and every gradient::
 
@@ -122,7 +126,7 @@ def _gradient_errors(s: SiteStats, o: SiteFormats) -> tuple[float, float, float]
     """(‖A ⊙ δg_j‖²_own, e_B², e_F²) of option ``o``."""
     st = s.stats
     own = st["WGdy"][o.dy] + st["WGx"][o.x]
-    e_b = st["Bdy"][o.dy] * st["ww"] / s.n + st["Bw"][o.w]
+    e_b = st["Bdyw"][o.dy] + st["Bw"][o.w]
     e_f = (st["ex"][o.x] * st["ww"] + st["xx"] * st["ew"][o.w]) / s.k
     return own, e_b, e_f
 

@@ -30,6 +30,7 @@ statistic      value                                              used for
 ``ex[f] ew[f]``  ‖δ_f(x)‖², ‖δ_f(w)‖²          (fprop)              forward error ‖δy‖, baselines
 ``Bdy[f]``     ‖δ_f(dy)‖²                     (dgrad, along N)     dgrad error ‖δdx‖, baselines
 ``Bw[f]``      Σ_n ‖δ_f(w)_n‖² ‖dy_{:,n}‖²   (dgrad)              dgrad error ‖δdx‖
+``Bdyw[f]``    Σ_n ‖δ_f(dy)_{:,n}‖² ‖w_n‖²   (dgrad)              dgrad error ‖δdx‖
 ``Gdy[f]``     Σ_m ‖δ_f(dy)_m‖² ‖x_m‖²       (wgrad, along T)     own weight-gradient error
 ``Gx[f]``      Σ_m ‖dy_m‖² ‖δ_f(x)_m‖²       (wgrad, along T)     own weight-gradient error
 ``dxdxN``      Σ_m ‖dx_m‖² κ_m²  (qkv, fc1: after a norm)         dgrad error into the residual
@@ -86,7 +87,7 @@ SCALARS = ("xx", "ww", "dydy", "dxdx", "dxdxN", "dwdw", "AA", "UU", "dgB", "dgF"
 """Per-site scalar statistics (``noiseB``: ‖ξ‖² of the residual-stream noise, ``noiseF``:
 ‖ν‖² of the forward noise; noise site only)."""
 PER_FORMAT = {"Lx": "x", "ex": "x", "Gx": "x", "WGx": "x", "Lw": "w", "ew": "w", "Bw": "w",
-              "Bdy": "dy", "Gdy": "dy", "WGdy": "dy"}
+              "Bdy": "dy", "Bdyw": "dy", "Gdy": "dy", "WGdy": "dy"}
 
 """Per-candidate statistics and the role whose candidate formats index them."""
 
@@ -178,6 +179,7 @@ class SiteObserver:
         self.micro_batch_size = micro_batch_size
         self._fwd_micro = self._bwd_micro = 0
         self._dw, self._dycol = None, None
+        self._dy_error_col = {f: 0.0 for f in self.candidates["dy"]}
 
     # module input: x rows and dx rows (ΔL from x)
     def input_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -226,7 +228,9 @@ class SiteObserver:
         x_sq, dy_sq = x2.detach().double().square(), dy2.detach().double().square() / self.dp ** 2
         self._var_u = self._var_u + dy_sq.t() @ x_sq
         for f in self.candidates["dy"]:
-            self._add("Bdy", _rows_sq(_error(dy2, f, -1)) / self.dp ** 2, f, rep_dy)
+            dgrad_sq = _error(dy2, f, -1).double().square() / self.dp ** 2
+            self._add("Bdy", dgrad_sq.sum(1), f, rep_dy)
+            self._dy_error_col[f] = self._dy_error_col[f] + dgrad_sq.sum(0)
             err_sq = _error(dy2.t(), f, -1).t().double().square() / self.dp ** 2
             self._add("Gdy", err_sq.sum(1) * x_rows, f)
             self._var_dy[f] = self._var_dy[f] + err_sq.t() @ x_sq
@@ -332,6 +336,8 @@ class SiteObserver:
             self._add("Lw", dw_rows * fprop, f, rep)
             # dy columns are summed over this rank's tokens (disjoint over DP)
             self._add("Bw", dgrad * self._dycol, f, rep * self.dp)
+        for f in self.candidates["dy"]:
+            self._add("Bdyw", w_rows * self._dy_error_col[f], f, rep * self.dp)
 
 
 class _TapInput(torch.autograd.Function):

@@ -89,6 +89,8 @@ def test_statistics_equal_brute_force(base):
         dgrad = _q(dy.float(), f, -1).double() - dy
         wgrad = _q(dy.t().float(), f, -1).t().double() - dy
         assert st["Bdy"][f] == pytest.approx(float(dgrad.square().sum()), rel=1e-5)
+        assert st["Bdyw"][f] == pytest.approx(float((dgrad.square().sum(0) * _rows(w)).sum()),
+                                              rel=1e-5)
         assert st["Gdy"][f] == pytest.approx(float((_rows(wgrad) * _rows(x2)).sum()), rel=1e-5)
     # AdamW-weighted own errors: E‖A ⊙ δg‖² with the measured element errors, random signs
     a2 = torch.rand(w.shape, dtype=torch.float64)
@@ -143,8 +145,8 @@ def test_noise_is_per_sample_and_layout_free():
 
 
 def test_variance_formulas_match_monte_carlo():
-    """The row-wise Theorem-4.1 variances behind Lx, Gdy and Bdy (divergence.py) against
-    sampling isotropic row errors with the given row norms."""
+    """The variances behind Lx, Gdy (row-wise Theorem 4.1: isotropic row errors of given row
+    norms) and Bdyw (element errors of given sizes, random signs) against sampling them."""
     rng = np.random.default_rng(0)
     m, n, k = 24, 12, 16
     grad, x, w = rng.normal(size=(m, k)), rng.normal(size=(m, k)), rng.normal(size=(n, k))
@@ -159,8 +161,11 @@ def test_variance_formulas_match_monte_carlo():
     assert loss == pytest.approx(np.sum((grad ** 2).sum(1) * row_norm ** 2) / k, rel=0.05)
     own = np.mean([np.sum((sample(n).T @ x) ** 2) for _ in range(draws // 4)])
     assert own == pytest.approx(np.sum(row_norm ** 2 * (x ** 2).sum(1)), rel=0.05)
-    dgrad = np.mean([np.sum((sample(n) @ w) ** 2) for _ in range(draws // 4)])
-    assert dgrad == pytest.approx(np.sum(row_norm ** 2) * np.sum(w ** 2) / n, rel=0.05)
+    # dgrad (Bdyw): given element error sizes, column-structured as dy's are, random signs
+    size = rng.uniform(0, 1, size=(m, n)) * rng.uniform(0.1, 3, size=n)
+    dgrad = np.mean([np.sum(((size * rng.choice([-1.0, 1.0], size=(m, n))) @ w) ** 2)
+                     for _ in range(draws // 4)])
+    assert dgrad == pytest.approx(np.sum((size ** 2).sum(0) * (w ** 2).sum(1)), rel=0.05)
 
 
 @pytest.mark.parametrize("norm_cls", [torch.nn.RMSNorm, torch.nn.LayerNorm])
