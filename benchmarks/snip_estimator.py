@@ -34,7 +34,7 @@ def _train(run_dir: Path, iters: int, extra: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
 
 
-def run_check(run_dir: Path, extra: list[str], noise: float):
+def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int = 1):
     from megatron_ext.snip.extension import snip_extensions
     from megatron_ext.snip.groundtruth import check
     from megatron_ext.snip.options import parse_candidates
@@ -54,7 +54,7 @@ def run_check(run_dir: Path, extra: list[str], noise: float):
     run = setup(args, exts)
     cands = parse_candidates("fp8,fp4").all_formats()
     return check(args, run, run.datasets[1], UNIFORM["fp4"], UNIFORM["bf16"].__class__(),
-                 cands, noise)
+                 cands, noise, loss_batches)
 
 
 def _plot(result, path: str) -> None:
@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--noise", type=float, default=1e-2, help="--snip-noise of the probes")
     p.add_argument("--out", default=None, help="PNG of estimated vs measured")
     p.add_argument("--model-args", default="", help="extra pretrain flags, one string")
+    p.add_argument("--loss-batches", type=int, default=1, metavar="K",
+                   help="ΔL (estimated and measured) as the RMS over the first K held-out "
+                        "batches (default 1: one draw of the loss change per site)")
     p.add_argument("--json", default=None, help="write every number of the check here")
     p.add_argument("--run-dir", default=None,
                    help="train into this directory and keep it; when it already holds "
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
         run_dir = Path(opts.run_dir or Path(tmp) / "run")
         if not (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
             _train(run_dir, opts.train_iters, extra)
-        result = run_check(run_dir, extra, opts.noise)
+        result = run_check(run_dir, extra, opts.noise, opts.loss_batches)
     _report(result)
     if opts.json:
         Path(opts.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))

@@ -5,6 +5,9 @@ On a trained model and one fixed held-out global batch:
 * **ΔL** — measured: quantize only site ``j``'s ``x`` and ``w`` (fprop) to the FP4 candidate,
   run the forward pass, ``|L_j - L| / L``; estimated: :func:`~megatron_ext.snip.divergence.
   loss_divergence` of the option (x, w in FP4) from one refresh's statistics on that batch.
+  The estimate is the RMS of a random first-order change, the measurement one draw of it
+  (a half-normal spread: a factor of several either way per site), so both can be taken as
+  the RMS over several held-out batches (``loss_batches``).
 * **ΔW** — measured: from the same optimizer state, one AdamW step on the batch with only
   site ``j``'s backward operands in FP4, against the unquantized step:
   ``(1/S) Σ_l ‖W'_l - W_l‖ / ‖W_l‖`` over the ``S`` site weights; estimated:
@@ -66,9 +69,23 @@ class EstimatorCheck:
     """Rank correlation of est_dW_wgrad_paper and true_dW_wgrad."""
 
 
-def _loss(args, model, dataset) -> float:
-    return loop.run_schedule(args, model, loop.data_iterators(args, dataset, 0, len(model)),
+def _loss(args, model, dataset, consumed: int = 0) -> float:
+    return loop.run_schedule(args, model,
+                             loop.data_iterators(args, dataset, consumed, len(model)),
                              forward_only=True)
+
+
+def _loss_divergences(args, run, dataset, x_w: SiteFormats, candidates: dict, noise: float,
+                      consumed: int) -> tuple[list[float], list[float]]:
+    """Estimated and measured ΔL of every site on the global batch at ``consumed``."""
+    observers, loss = collect(args, run.model, dataset, consumed, candidates, noise)
+    stats = reduce_statistics(observers, args, candidates)
+    measured = []
+    for s in stats:
+        apply_plan(run.model, PrecisionPlan({s.site: x_w}), args.num_layers)
+        measured.append(abs(_loss(args, run.model, dataset, consumed) - loss) / loss)
+    apply_plan(run.model, PrecisionPlan({}), args.num_layers)
+    return [loss_divergence(s, x_w, loss) for s in stats], measured
 
 
 def _snapshot(run) -> tuple[list, dict]:
@@ -104,7 +121,8 @@ def _weight_divergence(before, after) -> float:
     return float(np.mean([float((a - b).norm() / b.norm()) for a, b in zip(after, before)]))
 
 
-def paper_weight_divergences(sites: list[SiteStats], o: SiteFormats, hyper: dict) -> list[float]:
+def paper_weight_divergences(sites: list[SiteStats], o: SiteFormats,
+                             hyper: dict) -> list[float]:
     """Each site's ΔW term from its own wgrad error with the paper's isotropic AdamW bound
     ``(1/S) α c ‖A‖ ‖δg‖ / (√(NK) ‖W‖)``, ``‖δg‖² = Gdy + Gx`` (for comparison only)."""
     lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
@@ -113,20 +131,26 @@ def paper_weight_divergences(sites: list[SiteStats], o: SiteFormats, hyper: dict
     for s in sites:
         st = s.stats
         dg = math.sqrt(st["Gdy"][o.dy] + st["Gx"][o.x])
-        out.append(lr * c * math.sqrt(st["AA"]) * dg / math.sqrt(s.n * s.k * st["ww"]) / len(sites))
+        out.append(lr * c * math.sqrt(st["AA"]) * dg / math.sqrt(s.n * s.k * st["ww"])
+                   / len(sites))
     return out
 
 
+def _rms(rows: list[list[float]]) -> list[float]:
+    return [float(v) for v in np.sqrt(np.mean(np.square(rows), axis=0))]
+
+
 def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: dict,
-          noise: float) -> EstimatorCheck:
-    """Run the check on ``dataset``'s first global batch (single process)."""
+          noise: float, loss_batches: int = 1) -> EstimatorCheck:
+    """Run the check on ``dataset``'s first global batch (single process); ΔL as the RMS over
+    the first ``loss_batches`` batches (a loss change is one random draw per batch)."""
     from scipy.stats import spearmanr
 
     num_layers = args.num_layers
     empty = PrecisionPlan({})
     apply_plan(run.model, empty, num_layers)
     snap = _snapshot(run)
-    observers, loss = collect(args, run.model, dataset, 0, candidates, noise)
+    observers, _ = collect(args, run.model, dataset, 0, candidates, noise)
     _step(args, run, dataset)  # the reference step: its AdamW state feeds the estimate
     hyper = adam_statistics(run.optimizer, run.model, observers)
     stats = reduce_statistics(observers, args, candidates)
@@ -138,13 +162,13 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
                            overrides=(("dgrad.w", fp4.w), ("wgrad.x", fp4.x)))
     wgrad = SiteFormats(high.x, high.w, high.dy,
                         overrides=(("wgrad.dy", fp4.dy), ("wgrad.x", fp4.x)))
-    est_dl = [loss_divergence(s, x_w, loss) for s in stats]
+    dl = [_loss_divergences(args, run, dataset, x_w, candidates, noise,
+                            b * args.global_batch_size) for b in range(loss_batches)]
+    est_dl, true_dl = _rms([e for e, _ in dl]), _rms([t for _, t in dl])
     est_dw = weight_divergences(stats, [fp4], hyper, include_forward=False)[:, 0]
     est_own = weight_divergences(stats, [fp4], hyper, False, include_dgrad=False)[:, 0]
-    true_dl, true_dw, true_own = [], [], []
+    true_dw, true_own = [], []
     for sid in sites:
-        apply_plan(run.model, PrecisionPlan({sid: x_w}), num_layers)
-        true_dl.append(abs(_loss(args, run.model, dataset) - loss) / loss)
         for formats, out in ((backward, true_dw), (wgrad, true_own)):
             apply_plan(run.model, PrecisionPlan({sid: formats}), num_layers)
             _step(args, run, dataset)

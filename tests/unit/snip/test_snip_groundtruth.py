@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[3]
 def test_estimates_rank_the_sites_as_measured(tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "snip_estimator.py"),
-                           "--train-iters", "200", "--run-dir", str(tmp_path / "run"),
+                           "--train-iters", "200", "--loss-batches", "4",
+                           "--run-dir", str(tmp_path / "run"),
                            "--json", str(out)], capture_output=True, text=True, cwd=REPO,
                           timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -27,4 +28,4 @@ def test_estimates_rank_the_sites_as_measured(tmp_path):
     # its whole backward, the dgrad error travelling down the residual stream included
     assert r["spearman_dW"] >= 0.8
     assert all(0.67 < e / t < 1.5 for e, t in zip(r["est_dW"], r["true_dW"]))
-    assert r["spearman_dL"] >= 0.8
+    assert r["spearman_dL"] >= 0.8  # RMS over 4 batches: one loss change is one random draw
