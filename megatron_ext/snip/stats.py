@@ -106,10 +106,10 @@ def _error(t: torch.Tensor, name: str, axis: int) -> torch.Tensor:
 
 def _norm_gain(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """κ_m² = mean(γ²) / (r_m² + eps) per row of the norm's input ``h``."""
+    eps = norm.eps if norm.eps is not None else torch.finfo(h.dtype).eps  # torch's default
     h = h.detach().double()
     if isinstance(norm, torch.nn.LayerNorm):
         h = h - h.mean(-1, keepdim=True)
-    eps = norm.eps if norm.eps is not None else torch.finfo(h.dtype).eps
     gamma2 = norm.weight.detach().double().square().mean() if norm.weight is not None \
         else 1.0
     return gamma2 / (h.square().mean(-1).reshape(-1) + eps)
