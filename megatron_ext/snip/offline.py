@@ -32,6 +32,7 @@ from megatron_ext.snip import planner
 from megatron_ext.snip.divergence import SiteStats
 from megatron_ext.snip.options import Candidates
 from megatron_ext.snip.problem import Problem, read_json
+from megatron_ext.snip.stats import PER_FORMAT, SCALARS
 
 STATS_FILE = "stats.json"
 """A refresh's statistics, in ``<run>/snip/step_<s>/``."""
@@ -157,9 +158,15 @@ def _site_stats(sites, where: str) -> list[SiteStats]:
     if not isinstance(sites, list) or not sites:
         raise ValueError(f"{where}: 'sites' must be a non-empty list")
     try:
-        return [SiteStats(**s) for s in sites]
+        out = [SiteStats(**s) for s in sites]
     except TypeError as err:
         raise ValueError(f"{where}: malformed site statistics ({err})") from None
+    for site in out:
+        missing = [k for k in (*SCALARS, *PER_FORMAT) if k not in site.stats]
+        if missing:
+            raise ValueError(f"{where}: site {site.site} has no statistic {missing[0]!r} "
+                             "(written by an older megatron_ext? re-run the refresh)")
+    return out
 
 
 def _candidates(per_role, where: str) -> Candidates:

@@ -167,6 +167,21 @@ def test_bad_input_is_one_line_exit_2_and_no_files(run, tmp_path, capsys, flags,
     assert not out.exists()
 
 
+def test_statistics_of_an_older_version_are_refused(run, tmp_path, capsys):
+    """A stats.json without a statistic the estimator needs (here ``resB``, added in the
+    residual-stream estimator) is one line, not a KeyError deep in the analysis."""
+    stats = json.loads(next((run / "snip").glob("step_*/stats.json")).read_text())
+    for site in stats["sites"]:
+        del site["stats"]["resB"]
+    old = tmp_path / "stats.json"
+    old.write_text(json.dumps(stats))
+    out = tmp_path / "out"
+    argv = ["--stats", str(old), "--args", str(run / "args.json"), "--out", str(out)]
+    assert TUNE.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has no statistic 'resB'" in err and err.count("\n") == 1 and not out.exists()
+
+
 def test_bad_input_exit_status_from_the_command_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "tune_precision.py"),
                            "--stats", "x", "--budgets", "1.5", "--out", str(tmp_path / "o")],
