@@ -38,18 +38,21 @@ How ``e_B`` and ``e_F`` reach site ``l``'s gradient is the second-order term
 ``‖∇_{X_j} g_l‖`` of §4.3.1. The dgrad error takes two paths:
 
 * **within the layer** the dgrad error of ``fc2`` is the ``dy`` error of ``fc1`` (through the
-  SwiGLU backward), that of ``proj`` the ``dy`` error of ``qkv`` (through attention). We
-  carry it over as a *relative* error ``ρ_j² = e_B² / ‖dx_j‖²`` of the predecessor's ``dy``,
-  whose AdamW-weighted response is ``ρ_j² · UU_pred``;
-* **into the residual stream** at the *entry site* ``r`` of the branch (``qkv`` or ``fc1``,
-  the site itself or its predecessor), through the norm in front of it: the relative error
-  ``ρ_j²`` of ``dx_r`` becomes ``e_R² = ρ_j² · Σ_m ‖dx_r,m‖² κ_m²`` there (``dxdxN``, the
-  norm's gain κ² per row, :mod:`megatron_ext.snip.stats`), and reaches every site below
-  ``r``. How far is Theorem 4.2 on the step-2 probe: noise ``ξ`` as the residual-stream
-  gradient at the top gives site ``l`` the gradient ``Δg_l`` and the residual point in front
-  of ``r``'s norm the gradient ``Δh_r`` (``resB``). Everything from above reaches the layers
-  below ``r`` through that one point, so the gain from ``r`` to ``l`` is
-  ``GA_B(r, l)² = ‖A_l ⊙ Δg_l‖² / ‖Δh_r‖²``. **Our approximation**: that gain is the same
+  SwiGLU backward), that of ``proj`` the ``dy`` error of ``qkv`` (through attention). The
+  step-2 probe (noise ``ξ`` as the residual-stream gradient at the top; the backward is
+  linear, so every gradient is the response to ``ξ`` alone) excites every layer's ``fc2`` /
+  ``proj`` with a random ``dy``, whose ``Δdx = Δdy·w`` has the shape of a dgrad error; the
+  predecessor's response to it is measured in the same pass. So the in-layer transfer is
+  ``‖A_p ⊙ Δg_p‖² / ‖Δdx_j‖²`` (``dgAB_p / dxB_j``), times ``e_B²``;
+* **into the residual stream** at the *entry site* ``r`` of the branch (``qkv`` or ``fc1``:
+  the site itself or its predecessor), through the norm in front of it, whose gain for an
+  isotropic error is κ² per row (:mod:`megatron_ext.snip.stats`). A ``qkv`` / ``fc1`` error
+  enters as ``e_R² = e_B² · Σ_m ‖dx_m‖² κ_m² / ‖dx‖²`` (``dxdxN / dxdx``), an ``fc2`` /
+  ``proj`` error as the probe's did: ``e_R² = e_B² · dxBN_r / dxB_j``. From there it reaches
+  every site below ``r``: the probe gives site ``l`` the gradient ``Δg_l`` and the residual
+  point in front of ``r``'s norm the gradient ``Δh_r`` (``resB``); everything from above
+  reaches the layers below ``r`` through that one point, so the gain from ``r`` to ``l`` is
+  ``GA_B(r, l)² = ‖A_l ⊙ Δg_l‖² / ‖Δh_r‖²``. **Our approximation**: these gains are the same
   for the quantization error as for the probe's response (both isotropic).
 
 The forward error is carried like the step-3 probe (noise ``ν`` on the last ``fc2``'s input):
@@ -66,7 +69,7 @@ whose ``A`` is dominated by a few weights with ``v ≈ 0`` (and ``g ≈ 0``). In
 ``δg`` is weighted by ``A²`` where it lands: the own wgrad error row- and column-wise
 (``WGdy + WGx``, :mod:`megatron_ext.snip.stats`), the propagated ones as above::
 
-      ‖A_l ⊙ δg_l‖² = [l = j] (WGdy + WGx) + [l = pred(j)] ρ_j² UU_l
+      ‖A_l ⊙ δg_l‖² = [l = j] (WGdy + WGx) + [l = pred(j)] e_B² dgAB_l / dxB_j
                       + [l < r(j)] e_R² GA_B(r(j), l)² + [l <= j] e_F² GA_F(l)²
 
 with ``S`` the number of sites. **Quality loss** ``Q = w_L ΔL + w_W ΔW`` (§5.1, weights 1
@@ -163,12 +166,16 @@ def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper
         upto = np.arange(len(sites)) <= j
         for i, o in enumerate(options):
             own, e_b, e_f = _gradient_errors(s, o)
-            rho2 = _safe_div(e_b, s.stats["dxdx"]) if include_dgrad else 0.0
-            e_r = rho2 * _safe_div(sites[entry].stats["dxdxN"], sites[entry].stats["resB"])
+            e_b = e_b if include_dgrad else 0.0
+            if pred[j] is None:  # qkv, fc1: the norm's gain on this site's dx error
+                e_r = e_b * _safe_div(s.stats["dxdxN"], s.stats["dxdx"])
+            else:  # fc2, proj: through the predecessor, as the probe's response went
+                e_r = e_b * _safe_div(sites[entry].stats["dxBN"], s.stats["dxB"])
+            e_r = _safe_div(e_r, sites[entry].stats["resB"])
             dg2 = e_r * response_b * below + (e_f * gain_f * upto if include_forward else 0.0)
             dg2[j] += own
             if pred[j] is not None:
-                dg2[pred[j]] += rho2 * sites[pred[j]].stats["UU"]
+                dg2[pred[j]] += e_b * _safe_div(response_b[pred[j]], s.stats["dxB"])
             out[j, i] = float(np.sum(scale * np.sqrt(dg2))) / len(sites)
     return out
 

@@ -35,12 +35,13 @@ statistic      value                                              used for
 ``Gx[f]``      Σ_m ‖dy_m‖² ‖δ_f(x)_m‖²       (wgrad, along T)     own weight-gradient error
 ``dxdxN``      Σ_m ‖dx_m‖² κ_m²  (qkv, fc1: after a norm)         dgrad error into the residual
 ``dgB dgF``    ‖Δg‖²: step-2 response, ‖g_probe - g_base‖² (3)    ‖∇g‖ by Theorem 4.2
+``dxB dxBN``   ‖Δdx‖², Σ_m ‖Δdx_m‖² κ_m²: step-2 response at the   in-layer transfer fc2→fc1,
+               site's input                                       proj→qkv
 ``resB``       ‖step-2 response of the residual gradient‖²        gain from the top to the site's
                at the norm in front (qkv, fc1)                    residual entry point
 ``AA``         ‖A‖² (AdamW derivative, :mod:`.adam`)              report
 ``WGdy[f]``    Σ_nk A²_nk Σ_m δ_f(dy)_mn² x_mk²     (wgrad)        own AdamW-weighted error
 ``WGx[f]``     Σ_nk A²_nk Σ_m dy_mn² δ_f(x)_mk²     (wgrad)        own AdamW-weighted error
-``UU``         Σ_nk A²_nk Σ_m dy_mn² x_mk²                      response to a relative dy error
 ``dgAB dgAF``  ‖A ⊙ (g_probe - g_base)‖²                          AdamW-weighted probe gains
 =============  =================================================  ============================
 
@@ -82,8 +83,8 @@ from megatron_ext.precision.sites import PASSTHROUGH
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
 """Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
 
-SCALARS = ("xx", "ww", "dydy", "dxdx", "dxdxN", "dwdw", "AA", "UU", "dgB", "dgF", "dgAB",
-           "dgAF", "resB", "noiseB", "noiseF")
+SCALARS = ("xx", "ww", "dydy", "dxdx", "dxdxN", "dwdw", "AA", "dgB", "dgF", "dgAB",
+           "dgAF", "dxB", "dxBN", "resB", "noiseB", "noiseF")
 """Per-site scalar statistics (``noiseB``: ‖ξ‖² of the residual-stream noise, ``noiseF``:
 ‖ν‖² of the forward noise; noise site only)."""
 PER_FORMAT = {"Lx": "x", "ex": "x", "Gx": "x", "WGx": "x", "Lw": "w", "ew": "w", "Bw": "w",
@@ -141,7 +142,6 @@ class SiteObserver:
         self._g_base = None
         self._probe_dg: dict[str, torch.Tensor] = {}
         self._var_dy = {f: 0.0 for f in candidates["dy"]}
-        self._var_u = 0.0
         self._var_x = {f: 0.0 for f in candidates["x"]}
         self._fwd_micro = self._bwd_micro = 0
         self._norm_gain = None
@@ -169,7 +169,7 @@ class SiteObserver:
     # -- the observed call ---------------------------------------------------------------
     def __call__(self, module, input, weight, kwargs):
         """Replaces the site's ``_forward_impl`` while attached: unquantized GEMM + hooks."""
-        if self.mode == BASE:
+        if self.mode in (BASE, PROBE_BACKWARD):
             input = _TapInput.apply(input, self)
         x = tp_input(input, kwargs)
         return _ObservedGemm.apply(x, weight, kwargs["bias"], self)
@@ -182,7 +182,9 @@ class SiteObserver:
         self._dy_error_col = {f: 0.0 for f in self.candidates["dy"]}
 
     # module input: x rows and dx rows (ΔL from x)
-    def input_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.mode != BASE:
+            return None
         partial = not self.column
         rows = [_rows_sq(x)] + [_rows_sq(_error(x, f, -1)) for f in self.candidates["x"]]
         rows = self._tp_complete(torch.stack(rows), partial)
@@ -194,10 +196,10 @@ class SiteObserver:
 
     def norm_forward(self, norm: torch.nn.Module, h: torch.Tensor) -> None:
         """Forward hook of the norm in front of this site, on its input (the residual stream):
-        base pass: κ_m² for the next tap; step 2: watch the residual gradient's response."""
-        if self.mode == BASE:
+        κ_m² for the next tap; step 2 also: watch the residual gradient's response."""
+        if self.mode in (BASE, PROBE_BACKWARD):
             self._norm_gain = _norm_gain(norm, h)
-        elif self.mode == PROBE_BACKWARD and h.requires_grad:
+        if self.mode == PROBE_BACKWARD and h.requires_grad:
             h.register_hook(self._residual_response)
 
     def _residual_response(self, grad: torch.Tensor) -> None:
@@ -212,9 +214,12 @@ class SiteObserver:
                        norm_gain: torch.Tensor | None) -> None:
         dx_rows = self._tp_complete(_rows_sq(dx), not self.column) / self.dp ** 2
         rep = 1.0 / self.tp if self.x_rows_replicated else 1.0
-        self._add("dxdx", dx_rows, rep=rep)
+        probe = self.mode == PROBE_BACKWARD  # dx is then the response to the probe alone
+        self._add("dxB" if probe else "dxdx", dx_rows, rep=rep)
         if norm_gain is not None:
-            self._add("dxdxN", dx_rows * norm_gain, rep=rep)
+            self._add("dxBN" if probe else "dxdxN", dx_rows * norm_gain, rep=rep)
+        if probe:
+            return
         for f, r in zip(self.candidates["x"], rows[1:]):
             self._add("Lx", dx_rows * r, f, rep)
 
@@ -226,7 +231,6 @@ class SiteObserver:
         col = dy2.detach().double().square().sum(0) / self.dp ** 2
         self._dycol = col if self._dycol is None else self._dycol + col
         x_sq, dy_sq = x2.detach().double().square(), dy2.detach().double().square() / self.dp ** 2
-        self._var_u = self._var_u + dy_sq.t() @ x_sq
         for f in self.candidates["dy"]:
             dgrad_sq = _error(dy2, f, -1).double().square() / self.dp ** 2
             self._add("Bdy", dgrad_sq.sum(1), f, rep_dy)
@@ -314,7 +318,6 @@ class SiteObserver:
         step (replicated over DP; the variance tensors hold this rank's tokens)."""
         a2 = a2.double()
         self.stats["AA"] += float(a2.sum()) / self.dp
-        self.stats["UU"] += float((a2 * self._var_u).sum())
         for f, var in self._var_dy.items():
             self.stats["WGdy"][f] += float((a2 * var).sum())
         for f, var in self._var_x.items():

@@ -56,8 +56,8 @@ def _stats(site, scale=1.0, n=256, k=256):
     per = lambda role: {f: scale * (1.0 if "fp8" in f else 16.0)
                         for f in parse_candidates("fp8,fp4").formats(role)}
     stats = {"xx": 4.0, "ww": 9.0, "dydy": 1.0, "dxdx": 1.0, "dxdxN": 2.0, "dwdw": 1.0,
-             "AA": 4.0, "UU": 2.0, "dgB": 1e-4, "dgF": 1e-4, "dgAB": 1e-3, "dgAF": 1e-3,
-             "resB": 1e-2, "noiseB": 1e-2,
+             "AA": 4.0, "dgB": 1e-4, "dgF": 1e-4, "dgAB": 1e-3, "dgAF": 1e-3,
+             "dxB": 1e-2, "dxBN": 2e-2, "resB": 1e-2, "noiseB": 1e-2,
              "noiseF": 1e-2, "Lx": per("x"), "ex": per("x"), "Gx": per("x"), "WGx": per("x"),
              "Lw": per("w"), "ew": per("w"), "Bw": per("w"), "Bdy": per("dy"), "Bdyw": per("dy"),
              "Gdy": per("dy"), "WGdy": per("dy")}

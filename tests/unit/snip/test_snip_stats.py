@@ -104,7 +104,6 @@ def test_statistics_equal_brute_force(base):
         expect = (a2 * (dy.square().t() @ err.square())).sum()
         assert st["WGx"][f] == pytest.approx(float(expect), rel=1e-5)
     assert st["AA"] == pytest.approx(float(a2.sum()))
-    assert st["UU"] == pytest.approx(float((a2 * (dy.square().t() @ x2.square())).sum()), rel=1e-5)
 
 
 def test_probes_measure_the_gradient_change_of_the_noise():
@@ -120,6 +119,9 @@ def test_probes_measure_the_gradient_change_of_the_noise():
     delta_b = xi.reshape(-1, H).t() @ x.reshape(-1, F).double()
     assert obs.stats["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
     assert obs.stats["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
+    # the response at the site's input: Δdx = ξ w (what the in-layer transfer divides by)
+    sent_down = xi.reshape(-1, H) @ layer.weight.detach().double()
+    assert obs.stats["dxB"] == pytest.approx(float(sent_down.square().sum()), rel=1e-5)
     _run(layer, obs, x, r, PROBE_FORWARD)
     obs.mode = PROBE_FORWARD  # noise_like seeds the forward stream
     nu = obs.noise_like(x, x.dim() - 1, 0) * 0.1 * float(x.square().mean().sqrt())
