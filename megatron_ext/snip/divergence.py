@@ -147,14 +147,19 @@ def _predecessors(sites: list[SiteStats]) -> list[int | None]:
     return out
 
 
+def adam_step_size(hyper: dict) -> float:
+    """``α c``, AdamW's learning rate times its bias correction ``√(1-β2^t)/(1-β1^t)``."""
+    t = max(hyper["step"], 1.0)
+    return hyper["lr"] * math.sqrt(1 - hyper["beta2"] ** t) / (1 - hyper["beta1"] ** t)
+
+
 def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper: dict,
                        include_forward: bool = True, include_dgrad: bool = True) -> np.ndarray:
     """ΔW[site, option] of §4.3 (array of shape sites x options); ``include_forward=False``
     leaves out the forward error ``e_F`` (an option whose fprop stays exact),
     ``include_dgrad=False`` the dgrad error ``e_B`` (only the site's own wgrad quantized)."""
-    lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
-    c = math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-    scale = np.array([lr * c * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
+    step = adam_step_size(hyper)
+    scale = np.array([step * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
     noise_f = sum(s.stats["noiseF"] for s in sites)
     response_b = np.array([s.stats["dgAB"] for s in sites])
     gain_f = np.array([_safe_div(s.stats["dgAF"], noise_f) for s in sites])

@@ -34,7 +34,8 @@ import torch
 
 from megatron_ext.precision.plan import PrecisionPlan, apply_plan
 from megatron_ext.precision.sites import SiteFormats
-from megatron_ext.snip.divergence import SiteStats, loss_divergence, weight_divergences
+from megatron_ext.snip.divergence import (SiteStats, adam_step_size, loss_divergence,
+                                          weight_divergences)
 from megatron_ext.snip.refresh import adam_statistics, collect, reduce_statistics
 from megatron_ext.training import loop
 
@@ -75,11 +76,16 @@ def _loss(args, model, dataset, consumed: int = 0) -> float:
                              forward_only=True)
 
 
-def _loss_divergences(args, run, dataset, x_w: SiteFormats, candidates: dict, noise: float,
-                      consumed: int) -> tuple[list[float], list[float]]:
-    """Estimated and measured ΔL of every site on the global batch at ``consumed``."""
+def _collect_stats(args, run, dataset, consumed: int, candidates: dict, noise: float):
+    """(reduced statistics, loss) of the global batch at ``consumed``."""
     observers, loss = collect(args, run.model, dataset, consumed, candidates, noise)
-    stats = reduce_statistics(observers, args, candidates)
+    return reduce_statistics(observers, args, candidates), loss
+
+
+def _loss_divergences(args, run, dataset, x_w: SiteFormats, stats: list[SiteStats],
+                      loss: float, consumed: int) -> tuple[list[float], list[float]]:
+    """Estimated and measured ΔL of every site on the global batch at ``consumed``, whose
+    statistics and loss are ``stats``, ``loss``."""
     measured = []
     for s in stats:
         apply_plan(run.model, PrecisionPlan({s.site: x_w}), args.num_layers)
@@ -125,13 +131,12 @@ def paper_weight_divergences(sites: list[SiteStats], o: SiteFormats,
                              hyper: dict) -> list[float]:
     """Each site's ΔW term from its own wgrad error with the paper's isotropic AdamW bound
     ``(1/S) α c ‖A‖ ‖δg‖ / (√(NK) ‖W‖)``, ``‖δg‖² = Gdy + Gx`` (for comparison only)."""
-    lr, b1, b2, t = hyper["lr"], hyper["beta1"], hyper["beta2"], max(hyper["step"], 1.0)
-    c = math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    step = adam_step_size(hyper)
     out = []
     for s in sites:
         st = s.stats
         dg = math.sqrt(st["Gdy"][o.dy] + st["Gx"][o.x])
-        out.append(lr * c * math.sqrt(st["AA"]) * dg / math.sqrt(s.n * s.k * st["ww"])
+        out.append(step * math.sqrt(st["AA"]) * dg / math.sqrt(s.n * s.k * st["ww"])
                    / len(sites))
     return out
 
@@ -150,7 +155,7 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
     empty = PrecisionPlan({})
     apply_plan(run.model, empty, num_layers)
     snap = _snapshot(run)
-    observers, _ = collect(args, run.model, dataset, 0, candidates, noise)
+    observers, loss = collect(args, run.model, dataset, 0, candidates, noise)
     _step(args, run, dataset)  # the reference step: its AdamW state feeds the estimate
     hyper = adam_statistics(run.optimizer, run.model, observers)
     stats = reduce_statistics(observers, args, candidates)
@@ -162,8 +167,12 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
                            overrides=(("dgrad.w", fp4.w), ("wgrad.x", fp4.x)))
     wgrad = SiteFormats(high.x, high.w, high.dy,
                         overrides=(("wgrad.dy", fp4.dy), ("wgrad.x", fp4.x)))
-    dl = [_loss_divergences(args, run, dataset, x_w, candidates, noise,
-                            b * args.global_batch_size) for b in range(loss_batches)]
+    batches = [(stats, loss, 0)]
+    for b in range(1, loss_batches):
+        consumed = b * args.global_batch_size
+        other, other_loss = _collect_stats(args, run, dataset, consumed, candidates, noise)
+        batches.append((other, other_loss, consumed))
+    dl = [_loss_divergences(args, run, dataset, x_w, *batch) for batch in batches]
     est_dl, true_dl = _rms([e for e, _ in dl]), _rms([t for _, t in dl])
     est_dw = weight_divergences(stats, [fp4], hyper, include_forward=False)[:, 0]
     est_own = weight_divergences(stats, [fp4], hyper, False, include_dgrad=False)[:, 0]

@@ -145,7 +145,7 @@ class SiteObserver:
         self._var_x = {f: 0.0 for f in candidates["x"]}
         self._fwd_micro = self._bwd_micro = 0
         self._norm_gain = None
-        """κ_m² rows of the norm that just ran in front of this site (base pass only)."""
+        """κ_m² rows of the norm that just ran in front of this site (steps 1 and 2)."""
 
     # -- replication -------------------------------------------------------------------
     @property

@@ -201,8 +201,7 @@ def test_norm_gain_weights_the_sites_dx_rows():
     hook = norm.register_forward_hook(lambda m, inputs, _: obs.norm_forward(m, inputs[0]))
     obs.begin_pass(BASE, [0], B)
     layer.observer = obs
-    x = norm(h).detach().requires_grad_()
-    norm(h)  # the hook fires just before the site's forward, as in a transformer layer
+    x = norm(h).detach().requires_grad_()  # the hook fires just before the site's forward
     y, _ = layer(x)
     (y * r).sum().backward()
     hook.remove()
