@@ -1,10 +1,10 @@
-"""Solve time of the SNIP ILP (megatron_ext.snip) beside plain scipy.optimize.milp (not a test).
+"""Solve time of the SNIP ILP (megatron_ext.methods.snip) beside plain scipy.optimize.milp (not a test).
 
-Both solve the same llama3-70b-shaped synthetic problems (megatron_ext.snip.synthetic:
+Both solve the same llama3-70b-shaped synthetic problems (megatron_ext.methods.snip.synthetic:
 4 sites x 8 options per layer, real FLOPs and times, random quality losses) at PP=8, for
 each layer count, stage-balance mode and budget:
 
-* ours  — ``megatron_ext.snip.ilp.solve``: pruning, per-stage blocks, starting plans,
+* ours  — ``megatron_ext.methods.snip.ilp.solve``: pruning, per-stage blocks, starting plans,
   HiGHS through highspy; timed end to end (problem in, plan out);
 * refresh — ours on the same problem with every q perturbed by 5% (the next planner
   refresh), warm-started from the first plan;
@@ -36,13 +36,13 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 try:
-    from megatron_ext.snip.ilp import SolverConfig, solve
+    from megatron_ext.methods.snip.ilp import SolverConfig, solve
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_ext.snip.ilp import SolverConfig, solve
-from megatron_ext.snip.model import stage_time_bound
-from megatron_ext.snip.problem import Problem
-from megatron_ext.snip.synthetic import synthetic_problem
+    from megatron_ext.methods.snip.ilp import SolverConfig, solve
+from megatron_ext.methods.snip.model import stage_time_bound
+from megatron_ext.methods.snip.problem import Problem
+from megatron_ext.methods.snip.synthetic import synthetic_problem
 
 
 def parse_args(argv=None) -> argparse.Namespace:

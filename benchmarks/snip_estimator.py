@@ -6,7 +6,7 @@
 
 Trains the ``tiny`` Llama on the embedded corpus (``pretrain_llama.py`` in a child process,
 saving a checkpoint), loads it here in one process and runs
-:func:`megatron_ext.snip.groundtruth.check` on the first validation batch: per site, SNIP's
+:func:`megatron_ext.methods.snip.groundtruth.check` on the first validation batch: per site, SNIP's
 estimated ΔL / ΔW of FP4 against the measured loss change / one-step weight divergence.
 Prints the table and the Spearman rank correlations; ``--out`` plots estimated vs measured.
 """
@@ -35,9 +35,9 @@ def _train(run_dir: Path, iters: int, extra: list[str]) -> None:
 
 
 def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int = 1):
-    from megatron_ext.snip.extension import snip_extensions
-    from megatron_ext.snip.groundtruth import check
-    from megatron_ext.snip.options import parse_candidates
+    from megatron_ext.methods.snip.extension import snip_extensions
+    from megatron_ext.methods.snip.groundtruth import check
+    from megatron_ext.methods.snip.options import parse_candidates
     from megatron_ext.precision.policies import UNIFORM
     from megatron_ext.training.arguments import parse_args
     from megatron_ext.training import extensions as ext

@@ -30,9 +30,10 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.snip import cli_args  # noqa: E402
-from megatron_ext.snip.ilp import solve  # noqa: E402
-from megatron_ext.snip.problem import Problem, write_json_atomic  # noqa: E402
+from megatron_ext.methods.snip import cli_args  # noqa: E402
+from megatron_ext.methods.snip.ilp import solve  # noqa: E402
+from megatron_ext.io import write_json_atomic  # noqa: E402
+from megatron_ext.methods.snip.problem import Problem  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,7 +90,7 @@ def load_problem(args: argparse.Namespace) -> tuple[Problem, dict, dict]:
         return Problem.load(args.problem), {}, {"problem": os.path.abspath(args.problem)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning)  # megatron's import notes
-        from megatron_ext.snip import offline
+        from megatron_ext.methods.snip import offline
     refresh = offline.load_refresh(args.stats, args.args)
     planning = offline.plan_problem(refresh, args.policy, cli_args.layout_of(args))
     return planning.problem, refresh.run_args, {

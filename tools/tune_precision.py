@@ -28,8 +28,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.snip import cli_args  # noqa: E402
-from megatron_ext.training.errors import UsageError, run_cli  # noqa: E402
+from megatron_ext.methods.snip import cli_args  # noqa: E402
+from megatron_ext.errors import UsageError, run_cli  # noqa: E402
 
 DEFAULT_BUDGETS = (0.25, 0.5, 0.75, 0.8, 0.9)
 """--budgets when neither it nor --stage-budgets is given."""
@@ -119,8 +119,8 @@ def _check_explain(args: argparse.Namespace) -> None:
 
 def _plans(args, planning, config, mode) -> tuple[list[tuple[str, object]], dict | None]:
     """[(label, Solution)] for the sweep and the per-stage budgets, and the Pareto table."""
-    from megatron_ext.snip import tune
-    from megatron_ext.snip.ilp import solve
+    from megatron_ext.methods.snip import tune
+    from megatron_ext.methods.snip.ilp import solve
 
     plans, table = [], None
     if args.stage_budgets is not None:
@@ -272,8 +272,8 @@ def _report(planning, mode, config, microbatches, plans, files, table, stages, e
 
 
 def _write(out: str, planning, plans, files, report, explain_json, explanation) -> None:
-    from megatron_ext.snip import planner
-    from megatron_ext.snip.problem import write_json_atomic
+    from megatron_ext.methods.snip import planner
+    from megatron_ext.io import write_json_atomic
 
     try:
         os.makedirs(out, exist_ok=True)
@@ -291,7 +291,7 @@ def _write(out: str, planning, plans, files, report, explain_json, explanation) 
 def _run(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     _check_flags(args)
-    from megatron_ext.snip import offline, tune
+    from megatron_ext.methods.snip import offline, tune
 
     refresh = offline.load_refresh(args.stats, args.args)
     planning = offline.plan_problem(refresh, args.policy, cli_args.layout_of(args))

@@ -23,7 +23,7 @@ import tempfile
 import warnings
 
 from megatron_ext.training.distributed import resolve_launch
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def _layout_flags(parser: argparse.ArgumentParser, help_text: str) -> None:

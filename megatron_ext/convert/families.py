@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_ext.convert.transforms import IDENTITY, Transform
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 from megatron_ext.training.presets import ModelArch
 
 LAYER = "{i}"

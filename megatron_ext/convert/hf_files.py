@@ -22,7 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_ext.training.errors import UsageError
+from megatron_ext import io
+from megatron_ext.errors import UsageError
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -33,13 +34,11 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 
 
 def read_json(path: str, what: str) -> dict:
+    """The JSON object in ``path``; ``UsageError`` naming ``what`` otherwise."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise UsageError(f"{what}: '{path}' does not exist") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{what}: cannot read '{path}': {exc}") from None
+        return io.read_json(path)
+    except ValueError as exc:
+        raise UsageError(f"{what}: {exc}") from None
 
 
 def write_json(path: str, data: dict) -> None:

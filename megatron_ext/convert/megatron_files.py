@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megatron_ext.compat import cpu
 from megatron_ext.training import distributed
 from megatron_ext.training.checkpointing import TRACKER, model_sharded_state
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 from megatron_ext.training.model import build_model_chunks, transformer_config
 
 Produce = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]

@@ -7,7 +7,7 @@ import resource
 import shutil
 from contextlib import contextmanager
 
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def check_new_output(out: str) -> None:

@@ -18,7 +18,7 @@ from megatron_ext.convert.families import HFFamily, TensorMap
 from megatron_ext.convert.gpt2 import GPT2
 from megatron_ext.convert.llama import LLAMA
 from megatron_ext.training.arguments import parse_args
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 from megatron_ext.training.presets import ARCH_FIELDS, ModelArch
 
 SIDECAR = "megatron_model.json"

@@ -23,7 +23,7 @@ from megatron_ext.convert.megatron_files import (
 from megatron_ext.convert.outputs import atomic_output_dir, check_new_output
 from megatron_ext.convert.spec import find_spec
 from megatron_ext.training.checkpointing import resolve_checkpoint_dir
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def check_checkpoint(maps: list[TensorMap], metadata: dict, expected: dict) -> None:

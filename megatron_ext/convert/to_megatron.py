@@ -39,7 +39,7 @@ from megatron_ext.convert.spec import (
     family_for_config,
     spec_from_hf_config,
 )
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 class HFTensorSource:

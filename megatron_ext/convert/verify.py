@@ -24,7 +24,7 @@ from megatron_ext.convert.megatron_files import (
     megatron_runtime,
 )
 from megatron_ext.convert.spec import ModelSpec
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def random_tokens(vocab_size: int, batch: int, seq_length: int, seed: int) -> torch.Tensor:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ext.formats import get_format
-from megatron_ext.precision.sites import GEMM_ROLES, PASSTHROUGH, SITES, SiteFormats, site_id
+from megatron_ext.sites import GEMM_ROLES, SITES, site_id
+from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
 
 CLASSES = ("fp4", "fp8", "bf16")
 """Precision classes of a GEMM, fastest first."""

@@ -30,8 +30,8 @@ from megatron_ext.precision.layers import quantized_linear_classes
 from megatron_ext.precision.plan import (PrecisionPlan, apply_plan, load_plan, save_plan,
                                          verify_same_plan)
 from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec, policy_choices
-from megatron_ext.training.errors import UsageError
-from megatron_ext.training.extensions import Extension
+from megatron_ext.errors import UsageError
+from megatron_ext.extension import Extension
 
 PLAN_FILE = "precision_plan.json"
 """The plan in force, in the run directory (written by rank 0 whenever a plan is applied)."""

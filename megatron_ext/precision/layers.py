@@ -34,7 +34,8 @@ from megatron.core.tensor_parallel.mappings import (
 
 from megatron_ext.compat import te
 from megatron_ext.precision.gemm import quantized_gemm
-from megatron_ext.precision.sites import SiteFormats, resolve, site_id
+from megatron_ext.sites import site_id
+from megatron_ext.precision.sites import SiteFormats, resolve
 
 
 class QuantizedLinear:
@@ -55,7 +56,7 @@ class QuantizedLinear:
         self.formats = SiteFormats()
 
     def _forward_impl(self, input, weight, **kwargs):
-        if self.observer is not None:  # a SNIP refresh pass (megatron_ext.snip.stats)
+        if self.observer is not None:  # a SNIP refresh pass (megatron_ext.methods.snip.stats)
             return self.observer(self, input, weight, kwargs)
         ops = resolve(self.formats)
         if ops.passthrough:

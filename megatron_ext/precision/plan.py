@@ -26,13 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
+from megatron_ext.io import read_json, write_text_atomic
 from megatron_ext.precision.layers import quantized_linears
-from megatron_ext.precision.sites import SITES, SiteFormats, parse_site_id, site_id
+from megatron_ext.sites import SITES, parse_site_id, site_id
+from megatron_ext.precision.sites import SiteFormats
 
 VERSION = 1
 _META_KEYS = ("method", "step", "budget", "objective", "stage_fp4_frac")
@@ -123,36 +124,17 @@ class PrecisionPlan:
 
 def load_plan(path: str) -> PrecisionPlan:
     """Read a plan file; ``ValueError`` (one line) for a missing file, bad JSON or bad plan."""
+    data = read_json(path, expect=None)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"cannot read '{path}': {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"'{path}' is not a JSON text file (not UTF-8)") from None
-    try:
-        return PrecisionPlan.from_json(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"'{path}' is not valid JSON: {exc.msg} at line {exc.lineno}") \
-            from None
+        return PrecisionPlan.from_dict(data)
     except ValueError as exc:
         raise ValueError(f"'{path}': {exc}") from None
 
 
 def save_plan(plan: PrecisionPlan, path: str) -> None:
-    """Write ``plan`` as JSON to ``path`` through a temp file in the same folder and
-    ``os.replace``: a reader sees the old file or the new one, never half of one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(plan.to_json() + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp's file is private; a plan is meant to be read
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write ``plan`` as JSON to ``path`` atomically (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_text_atomic(path, plan.to_json() + "\n")
 
 
 def apply_plan(model, plan: PrecisionPlan, num_layers: int) -> int:

@@ -17,7 +17,8 @@
 from __future__ import annotations
 
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SITES, SiteFormats, site_id
+from megatron_ext.sites import SITES, site_id
+from megatron_ext.precision.sites import SiteFormats
 
 UNIFORM = {
     "bf16": SiteFormats("bf16", "bf16", "bf16"),

@@ -1,15 +1,4 @@
-"""Sites, roles and the formats a site's GEMM operands use.
-
-A **site** is one linear layer of a transformer layer: megatron-core fuses Q/K/V and gate/up,
-so a layer has four, ``qkv``, ``proj``, ``fc1``, ``fc2``. Its id carries the *global* 0-based
-layer index, ``L{i}.{site}`` (e.g. ``L3.fc1``), the same on every TP / PP / DP rank.
-
-A site runs three GEMMs, each reading two of its three **roles** — the input activation
-``x``, the weight ``w`` and the output gradient ``dy``:
-
-    fprop   y  = x  @ w.T     reads x, w
-    dgrad   dx = dy @ w       reads dy, w
-    wgrad   dw = dy.T @ x     reads dy, x
+"""The formats a site's GEMM operands use (sites and roles: :mod:`megatron_ext.sites`).
 
 :class:`SiteFormats` gives each role one format name (a ``megatron_ext.formats`` name, or
 ``"none"``: pass the operand through untouched), used by both GEMMs that read the role, plus
@@ -20,41 +9,14 @@ formats the autograd function reads (:class:`GemmOperands`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from megatron_ext.formats import Format, get_format
-
-SITES = ("qkv", "proj", "fc1", "fc2")
-"""The four linear sites of a transformer layer (same order as ``training.model.SITES``)."""
+from megatron_ext.sites import OPERANDS, ROLES
 
 PASSTHROUGH = "none"
 """Format name meaning "no quantization": the operand enters the GEMM as it is."""
-
-ROLES = ("x", "w", "dy")
-"""Operand roles: input activation, weight, output gradient."""
-
-GEMM_ROLES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}
-"""The two roles each GEMM of a site reads."""
-
-OPERANDS = tuple(f"{gemm}.{role}" for gemm, roles in GEMM_ROLES.items() for role in roles)
-"""The six GEMM operands, the keys of per-GEMM overrides."""
-
-_SITE_ID = re.compile(r"L(0|[1-9]\d*)\.([a-z0-9]+)")
-
-
-def site_id(layer: int, site: str) -> str:
-    """``site_id(3, "fc1") == "L3.fc1"``."""
-    return f"L{layer}.{site}"
-
-
-def parse_site_id(text: str) -> tuple[int, str]:
-    """``"L3.fc1"`` -> ``(3, "fc1")``; ``ValueError`` for anything else."""
-    match = _SITE_ID.fullmatch(text) if isinstance(text, str) else None
-    if match is None or match.group(2) not in SITES:
-        raise ValueError(f"bad site id {text!r}: expected L<layer>.<{'|'.join(SITES)}>")
-    return int(match.group(1)), match.group(2)
 
 
 def normalize_format(name: str) -> str:

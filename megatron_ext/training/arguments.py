@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 
 from megatron_ext.training.distributed import resolve_launch
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]

@@ -32,7 +32,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 MANIFEST = "checksums.json"
 _CHUNK = 1 << 22

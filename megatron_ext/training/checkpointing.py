@@ -29,7 +29,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
 from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState

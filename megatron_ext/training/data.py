@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megatron_ext.data.corpus import ensure_default_corpus
 from megatron_ext.data.datasets import build_datasets
 from megatron_ext.data.tokenizer import build_tokenizer
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def _default_corpus_on_rank0_first():

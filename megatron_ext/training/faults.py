@@ -38,8 +38,8 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from megatron_ext.training.distributed import device
-from megatron_ext.training.errors import UsageError
-from megatron_ext.training.extensions import Extension
+from megatron_ext.errors import UsageError
+from megatron_ext.extension import Extension
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,10 +36,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from megatron_ext.training.errors import UsageError
-
-SITES = ("qkv", "proj", "fc1", "fc2")
-"""The four linear GEMM sites of a transformer layer (megatron fuses Q/K/V and gate/up)."""
+from megatron_ext.errors import UsageError
 
 LinearClasses = Callable[[int, str], type]
 """(global layer index, site) -> the linear module class for that site."""

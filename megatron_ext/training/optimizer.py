@@ -10,7 +10,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.training import dry_run
-from megatron_ext.training import extensions as ext
+from megatron_ext import extension as ext
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.distributed import resolve_launch
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_ext.training.errors import UsageError, run_cli
+from megatron_ext.errors import UsageError, run_cli
 
 
 class _Parser(argparse.ArgumentParser):

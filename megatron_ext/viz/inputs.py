@@ -21,26 +21,13 @@ import math
 import os
 from dataclasses import dataclass
 
-from megatron_ext.precision.sites import parse_site_id
+from megatron_ext.io import read_json
+from megatron_ext.sites import parse_site_id
 
 PLAN_GLOB = os.path.join("snip", "step_*", "plan.json")
 """Where a run's planner writes the plan of each refresh, relative to the run directory."""
 METRICS = ("dL", "dW", "q")
 """Per-option values of divergence.json: forward loss divergence, weight divergence, quality."""
-
-
-def read_json(path: str):
-    """The parsed JSON of ``path``; ``ValueError`` (one line) if missing or malformed."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"cannot read '{path}': {exc.strerror}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"'{path}' is not valid JSON: {exc.msg} at line {exc.lineno}") \
-            from None
 
 
 # ---------------------------------------------------------------------------------- plans

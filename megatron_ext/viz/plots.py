@@ -16,8 +16,6 @@ Figures are built on a ``matplotlib.figure.Figure`` with its own Agg canvas (nev
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import textwrap
 
 import numpy as np
@@ -27,12 +25,10 @@ from matplotlib.colors import ListedColormap, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from megatron_ext.io import write_atomic
+from megatron_ext.sites import ROLES, SITES
 from megatron_ext.viz.colors import CLASS_COLORS, family_color, format_family, legend_order
 
-SITES = ("qkv", "proj", "fc1", "fc2")
-"""Linear sites of a layer, in plan order (``megatron_ext.precision.sites.SITES``)."""
-ROLES = ("x", "w", "dy")
-"""Operand roles of a site (``megatron_ext.precision.sites.ROLES``)."""
 METRIC_LABELS = {"dL": "ΔL (forward loss divergence)", "dW": "ΔW (weight divergence)",
                  "q": "Q (quality loss)"}
 """Axis labels of the divergence metrics."""
@@ -50,17 +46,9 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def save_png(fig: Figure, path: str, dpi: int = 100) -> None:
-    """Write ``fig`` as a PNG atomically: temporary file in the same directory, then rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi, bbox_inches="tight")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write ``fig`` as a PNG atomically."""
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=dpi, bbox_inches="tight"),
+                 binary=True)
 
 
 def _thin_ticks(count: int) -> list[int]:
@@ -168,7 +156,7 @@ def stage_bars(report, title: str) -> Figure:
 
 def _site_rows(plans) -> list[str]:
     """Every site any plan lists, in layer then site order."""
-    from megatron_ext.precision.sites import parse_site_id
+    from megatron_ext.sites import parse_site_id
 
     def order(sid):
         layer, site = parse_site_id(sid)
@@ -245,7 +233,7 @@ def plan_evolution(plans, color_by: str = "fp4-roles") -> Figure:
 
 def _divergence_grid(div, option: str, metric: str) -> tuple[np.ndarray, int]:
     """(log10 values [layers, 4], NaN where missing or <= 0; count of values <= 0)."""
-    from megatron_ext.precision.sites import parse_site_id
+    from megatron_ext.sites import parse_site_id
 
     layers = 1 + max(parse_site_id(sid)[0] for sid in div.sites)
     grid = np.full((layers, len(SITES)), np.nan)

@@ -28,7 +28,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 DEFAULT_GPU_GIB = 80.0
 """Memory of one GPU the stages are compared with (H100 SXM 80 GB)."""

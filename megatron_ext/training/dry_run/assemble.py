@@ -10,7 +10,7 @@ from megatron_ext.training.dry_run import estimates as est
 from megatron_ext.training.dry_run.meta import StageParams, build_stages
 from megatron_ext.training.dry_run.report import DryRunReport, StageReport
 from megatron_ext.training.dry_run.snip import plan_from_choice, snip_sizes, solve_for_shape
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def unpadded_vocab(args) -> int:

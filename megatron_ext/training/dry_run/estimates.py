@@ -65,7 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ext.precision.cost import SPEED, ModelShape, gemm_class
-from megatron_ext.precision.sites import GEMM_ROLES, SITES, site_id
+from megatron_ext.sites import GEMM_ROLES, SITES, site_id
 
 GIB = 2.0**30
 """Bytes in a GiB."""

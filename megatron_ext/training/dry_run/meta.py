@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.compat import cpu
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The SNIP part of a dry run: the ILP of this exact shape, and what a refresh moves.
 
-**The ILP.** ``megatron_ext.snip.synthetic.synthetic_problem`` builds SNIP's problem (SNIP
+**The ILP.** ``megatron_ext.methods.snip.synthetic.synthetic_problem`` builds SNIP's problem (SNIP
 §5, ``docs/snip.md``) with the run's real site shapes — ``(N, K)`` of every site from
 ``megatron_ext.precision.cost.ModelShape`` (so GPT's plain MLP is right too), ``T = s·b``
 tokens per micro-batch — its pipeline stages (megatron's split, virtual chunks included)
@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import ROLES, SiteFormats
-from megatron_ext.snip import SolverConfig, solve
-from megatron_ext.snip.synthetic import LlamaShape, synthetic_problem
+from megatron_ext.sites import ROLES
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.methods.snip import SolverConfig, solve
+from megatron_ext.methods.snip.synthetic import LlamaShape, synthetic_problem
 
 SITES_PER_LAYER = 4
 """qkv, proj, fc1, fc2."""

@@ -16,7 +16,7 @@ from megatron_ext.convert.spec import (
     spec_from_hf_config,
     spec_from_run_args,
 )
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
          "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

@@ -16,7 +16,8 @@ from megatron_ext.precision.layers import (
 )
 from megatron_ext.precision.plan import PrecisionPlan, apply_plan
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SITES, SiteFormats, resolve
+from megatron_ext.sites import SITES
+from megatron_ext.precision.sites import SiteFormats, resolve
 
 from precision_helpers import megatron_world  # noqa: F401  (fixture)
 

@@ -11,7 +11,7 @@ from megatron_ext.precision.extension import _flags_plan, add_arguments
 from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
 from megatron_ext.precision.policies import UNIFORM, keep_layers_bf16, plan_from_spec
 from megatron_ext.precision.sites import SiteFormats
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 PLAN = PrecisionPlan(
     {"L10.fc2": SiteFormats("fp8_e4m3@tile128", "fp8_e4m3@block128", "fp8_e4m3@tile128"),

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from megatron_ext.precision.plan import load_plan
 from megatron_ext.training.checkpoint_integrity import (MANIFEST, check_no_code, verify_checkpoint,
                                                         verify_manifest, write_manifest)
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 class RunsCode:

@@ -18,7 +18,7 @@ from megatron_ext.precision.extension import precision_extension
 from megatron_ext.training.dry_run import estimates as est
 from megatron_ext.training.dry_run.assemble import current_plan
 from megatron_ext.training.dry_run.snip import option_formats
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 from megatron_ext.training.pretrain import pretrain
 
 LLAMA3_70B = ["--model", "llama3-70b", "--tensor-model-parallel-size", "4",

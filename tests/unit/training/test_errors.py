@@ -9,7 +9,7 @@ import pytest
 
 from pretrain_runner import FAST_ARGS, REPO, free_port, launch
 from megatron_ext.training.arguments import parse_args
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 
 def _run(args, env_extra=None, tmp_path=None):

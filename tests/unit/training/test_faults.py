@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pretrain_runner import FAST_ARGS, launch, read_metrics
 from megatron_ext.training.arguments import parse_args
-from megatron_ext.training.errors import UsageError
-from megatron_ext.training.extensions import args_provider
+from megatron_ext.errors import UsageError
+from megatron_ext.extension import args_provider
 from megatron_ext.training.faults import (FaultHandler, desync_message, guarded_step,
                                           local_grads_finite, save_fingerprint)
 from megatron_ext.training.loop import TrainState

@@ -20,7 +20,8 @@ from matplotlib.image import imread
 from megatron_ext.precision.cost import ModelShape, flop_report
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM, keep_layers_bf16, uniform_plan
-from megatron_ext.precision.sites import SITES, SiteFormats, site_id
+from megatron_ext.sites import SITES, site_id
+from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.viz.cli import main
 from megatron_ext.viz.colors import CLASS_COLORS, family_color, format_family
 from megatron_ext.viz.inputs import default_option, fp4_roles

@@ -11,7 +11,7 @@ so a gradient error ``δg`` moves the weight by ``α c ‖A ⊙ δg‖_F``. The 
 ``α c ‖A‖_F ‖δg‖_F / √(NK)`` (Theorem 4.1, isotropic ``δg``); we keep ``A`` element-wise,
 because ``A`` is largest exactly where ``v`` and hence ``g`` and its error are smallest, and
 the isotropic product then overstates some sites by orders of magnitude
-(:mod:`megatron_ext.snip.divergence`). After a normal optimizer step this module reads
+(:mod:`megatron_ext.methods.snip.divergence`). After a normal optimizer step this module reads
 ``m_t``, ``v_t`` and ``g`` from megatron's optimizer state and returns ``A²`` shaped like
 each site's local weight shard (with the distributed optimizer each DP rank holds a slice:
 the slices are summed over DP), plus ``α``, ``β1``, ``β2``, ``t``, ``ε``.

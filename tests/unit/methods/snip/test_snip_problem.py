@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.snip.ilp import solve
-from megatron_ext.snip.problem import Option, Problem, Site
-from megatron_ext.snip.synthetic import synthetic_problem
+from megatron_ext.methods.snip.ilp import solve
+from megatron_ext.methods.snip.problem import Option, Problem, Site
+from megatron_ext.methods.snip.synthetic import synthetic_problem
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 TOOL = REPO / "tools" / "snip_analyze.py"
 
 SMALL = {

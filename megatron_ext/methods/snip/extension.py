@@ -4,7 +4,7 @@ Schedule (SNIP §3, Fig. 6). With ``--snip-start S --snip-interval I --snip-appl
 a **refresh** happens before steps ``s = S, S+I, S+2I, ...`` (``s`` = optimizer steps done):
 
 1. every rank runs steps 1-3 on the batch step ``s+1`` will train on
-   (:func:`megatron_ext.snip.refresh.collect`), then trains step ``s+1`` normally;
+   (:func:`megatron_ext.methods.snip.refresh.collect`), then trains step ``s+1`` normally;
 2. after that step the AdamW terms are read and all statistics are summed over all ranks
    (one all-reduce of ``sites x stats`` scalars);
 3. rank 0 runs step 4 (divergences) and 5 (ILP) in a background thread while training goes
@@ -33,15 +33,16 @@ import torch.distributed as dist
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.extension import PrecisionRun, precision_extension
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SITES, ROLES, SiteFormats, site_id
-from megatron_ext.snip import planner
-from megatron_ext.snip.divergence import SiteStats, divergences
-from megatron_ext.snip.ilp import STAGE_BALANCE, SolverConfig
-from megatron_ext.snip.options import DEFAULT_CANDIDATES, option_name, parse_candidates
-from megatron_ext.snip.problem import write_json_atomic
-from megatron_ext.snip.refresh import adam_statistics, collect, reduce_statistics
-from megatron_ext.training.errors import UsageError
-from megatron_ext.training.extensions import Extension
+from megatron_ext.sites import SITES, ROLES, site_id
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.methods.snip import planner
+from megatron_ext.methods.snip.divergence import SiteStats, divergences
+from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
+from megatron_ext.methods.snip.options import DEFAULT_CANDIDATES, option_name, parse_candidates
+from megatron_ext.io import write_json_atomic
+from megatron_ext.methods.snip.refresh import adam_statistics, collect, reduce_statistics
+from megatron_ext.errors import UsageError
+from megatron_ext.extension import Extension
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
 

@@ -2,7 +2,7 @@
 
 At refresh step ``s`` the next training batch (the one step ``s+1`` will train on) is run
 three times through megatron's own pipeline schedule with every site's observer attached
-(:mod:`megatron_ext.snip.stats`), and no optimizer step:
+(:mod:`megatron_ext.methods.snip.stats`), and no optimizer step:
 
 1. ``base``: unquantized forward/backward, every statistic, the baseline gradients;
 2. ``probe_backward``: the gradient of the last layer's output (the residual stream)
@@ -13,7 +13,7 @@ The gradient buffers are zeroed afterwards and the torch RNG state is restored, 
 step that follows is exactly the step it would have been. After that step,
 :func:`adam_statistics` reads the AdamW state. :func:`reduce_statistics` then sums every
 rank's share with one all-reduce of ``sites x stats`` float64 scalars; every rank ends up with
-the same :class:`~megatron_ext.snip.divergence.SiteStats` list, in global site order.
+the same :class:`~megatron_ext.methods.snip.divergence.SiteStats` list, in global site order.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.layers import quantized_linears
-from megatron_ext.precision.sites import SITES, parse_site_id, site_id
-from megatron_ext.snip.adam import adam_terms
-from megatron_ext.snip.divergence import SiteStats
-from megatron_ext.snip.stats import (BASE, PER_FORMAT, PROBE_BACKWARD, PROBE_FORWARD, SCALARS,
+from megatron_ext.sites import SITES, parse_site_id, site_id
+from megatron_ext.methods.snip.adam import adam_terms
+from megatron_ext.methods.snip.divergence import SiteStats
+from megatron_ext.methods.snip.stats import (BASE, PER_FORMAT, PROBE_BACKWARD, PROBE_FORWARD, SCALARS,
                                      SiteObserver)
 from megatron_ext.training import loop
 from megatron_ext.training.distributed import device

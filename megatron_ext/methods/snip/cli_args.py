@@ -2,7 +2,7 @@
 
 Argument types (a fraction in [0, 1], a list of them, a positive number), the flags that
 select saved statistics (``--args``, ``--policy``, the pipeline-layout overrides of
-:mod:`megatron_ext.snip.offline`) and the solver flags. Solver settings and the stage
+:mod:`megatron_ext.methods.snip.offline`) and the solver flags. Solver settings and the stage
 balance default to the run's own (``--snip-time-limit`` etc. in its args.json) when the
 problem comes from a run's statistics, else to the ILP's defaults. Light on imports: the
 ``--problem`` mode of ``snip_analyze.py`` never loads torch.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_ext.snip.ilp import STAGE_BALANCE, SolverConfig
+from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 
 _SOLVER_FLAGS = {"time_limit": "snip_time_limit", "mip_gap": "snip_mip_gap",
                  "threads": "snip_threads"}
@@ -87,8 +87,8 @@ def add_solver_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def layout_of(ns: argparse.Namespace):
-    """The :class:`~megatron_ext.snip.offline.Layout` of the parsed flags."""
-    from megatron_ext.snip.offline import Layout
+    """The :class:`~megatron_ext.methods.snip.offline.Layout` of the parsed flags."""
+    from megatron_ext.methods.snip.offline import Layout
 
     return Layout(ns.pipeline_model_parallel_size, ns.decoder_first_pipeline_num_layers,
                   ns.decoder_last_pipeline_num_layers)

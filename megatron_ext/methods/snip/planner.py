@@ -1,13 +1,13 @@
 """SNIP step 5 in training: quality table -> ILP problem -> PrecisionPlan, and the baselines.
 
 Every policy — SNIP and the §6.1 baselines — fills one table ``q[site, option]`` and goes
-through the same ILP (:func:`megatron_ext.snip.ilp.solve`) at the same budget ``E_t`` and
+through the same ILP (:func:`megatron_ext.methods.snip.ilp.solve`) at the same budget ``E_t`` and
 stage balance, so plans differ only in what they minimise:
 
 ==================  ==================================================================
 policy              q[site, option]
 ==================  ==================================================================
-``snip``            ΔL + ΔW (:mod:`megatron_ext.snip.divergence`)
+``snip``            ΔL + ΔW (:mod:`megatron_ext.methods.snip.divergence`)
 ``min-abs-err``     Σ_roles ‖δ‖ of the option's formats (quantization error only)
 ``min-rel-err``     Σ_roles ‖δ‖ / ‖t‖
 ``random``          uniform random (seeded) x FP4 share of the option
@@ -27,13 +27,14 @@ import numpy as np
 
 from megatron_ext.precision.cost import SPEED, ModelShape, gemm_class
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import GEMM_ROLES, SiteFormats, parse_site_id
-from megatron_ext.snip.divergence import (Divergence, SiteStats, divergences,
+from megatron_ext.sites import GEMM_ROLES, parse_site_id
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.methods.snip.divergence import (Divergence, SiteStats, divergences,
                                            quantization_errors)
-from megatron_ext.snip.ilp import Solution, SolverConfig, solve
-from megatron_ext.snip.options import option_name
-from megatron_ext.snip.problem import Option, Problem, Site
-from megatron_ext.snip.synthetic import BF16_FLOPS_PER_S
+from megatron_ext.methods.snip.ilp import Solution, SolverConfig, solve
+from megatron_ext.methods.snip.options import option_name
+from megatron_ext.methods.snip.problem import Option, Problem, Site
+from megatron_ext.methods.snip.synthetic import BF16_FLOPS_PER_S
 
 STATS_POLICIES = ("snip", "min-abs-err", "min-rel-err")
 """Policies that need measured statistics (a refresh)."""
@@ -106,7 +107,7 @@ def quality_table(policy: str, stats: list[SiteStats] | None, options: list[Site
 
 
 def divergence_q(table: list[list[Divergence]]) -> np.ndarray:
-    """``q[site, option]`` of a :func:`~megatron_ext.snip.divergence.divergences` table."""
+    """``q[site, option]`` of a :func:`~megatron_ext.methods.snip.divergence.divergences` table."""
     return np.array([[d.q for d in row] for row in table])
 
 

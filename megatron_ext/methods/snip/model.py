@@ -1,7 +1,7 @@
 """The ILP's matrices: option tables, dominance pruning, independent blocks, HiGHS arrays.
 
-The math lives in :mod:`megatron_ext.snip.ilp`; this module turns a
-:class:`~megatron_ext.snip.problem.Problem` into numpy arrays:
+The math lives in :mod:`megatron_ext.methods.snip.ilp`; this module turns a
+:class:`~megatron_ext.methods.snip.problem.Problem` into numpy arrays:
 
 * :class:`Tables` — padded ``sites x options`` arrays of q, FP4 FLOPs, time;
 * :func:`dominated` — options no optimum needs;
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.snip.problem import Problem
+from megatron_ext.methods.snip.problem import Problem
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class Block:
 
 def blocks(problem: Problem, tab: Tables, kept: np.ndarray, budget: float, mode: str,
            bound: float | None) -> list[Block]:
-    """The rows of each mode (see :mod:`megatron_ext.snip.ilp`), split into blocks."""
+    """The rows of each mode (see :mod:`megatron_ext.methods.snip.ilp`), split into blocks."""
     site, option = np.nonzero(kept)
     e, k = tab.e[site, option], problem.num_stages
     if mode == "paper":
@@ -156,7 +156,7 @@ def safe_plan(problem: Problem) -> dict[str, str]:
 
 
 def stage_time_bound(problem: Problem, budget: float) -> float:
-    """``B`` of time mode (:mod:`megatron_ext.snip.ilp`), in seconds: the slowest stage
+    """``B`` of time mode (:mod:`megatron_ext.methods.snip.ilp`), in seconds: the slowest stage
     if each site ran the fraction ``budget`` of its work at its fastest option's speed."""
     stage_time = list(problem.stage_fixed_time)
     for site in problem.sites:

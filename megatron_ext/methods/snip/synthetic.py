@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.snip.problem import Option, Problem, Site
+from megatron_ext.methods.snip.problem import Option, Problem, Site
+from megatron_ext.sites import SITES
 
-SITES = ("qkv", "proj", "fc1", "fc2")
 BF16_FLOPS_PER_S = 989e12
 """Dense BF16 tensor-core rate (H100 SXM); FP8 is 2x, FP4 4x."""
 

@@ -1,23 +1,25 @@
 """One block of the ILP through HiGHS (``highspy``): options, model, start, outcome.
 
 The block's matrix goes over in a single ``passModel`` call (column-wise, built with numpy
-by :func:`~megatron_ext.snip.model.csc`); a starting plan goes over with ``setSolution``,
+by :func:`~megatron_ext.methods.snip.model.csc`); a starting plan goes over with ``setSolution``,
 and then HiGHS's own primal heuristics are switched off (with a good start they cost more
 than they find on these knapsacks). Row and integrality tolerances are
-:data:`~megatron_ext.snip.incumbent.TOL`, so a plan HiGHS accepts meets every row to 1e-9
+:data:`~megatron_ext.methods.snip.incumbent.TOL`, so a plan HiGHS accepts meets every row to 1e-9
 of the FLOPs or of the stage-time bound.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import highspy
 import numpy as np
 
-from megatron_ext.snip.incumbent import TOL
-from megatron_ext.snip.model import Block, csc
+from megatron_ext.methods.snip.incumbent import TOL
+from megatron_ext.methods.snip.model import Block, csc
 
 _QUIET_HEURISTICS = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False,
                      "mip_heuristic_run_rens": False,
@@ -43,6 +45,24 @@ class BlockResult:
     """HiGHS's proven lower bound on the block's optimum."""
     detail: str = ""
     """HiGHS's model status, for messages."""
+
+
+def _swallow_banner() -> None:
+    """highspy prints a two-line banner on the C-level stdout when a process makes its first
+    ``Highs`` (whatever ``output_flag`` says later); make that first one here, at import, in
+    the main thread, with fd 1 pointed at /dev/null."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+_swallow_banner()
 
 
 def _highs(time_limit: float, mip_gap: float, threads: int, quiet: bool) -> highspy.Highs:

@@ -10,7 +10,7 @@ quality loss under an FP4 FLOP budget.
 See ``docs/snip.md``.
 """
 
-from megatron_ext.snip.ilp import Solution, SolverConfig, safe_plan, solve
-from megatron_ext.snip.problem import Option, Problem, Site
+from megatron_ext.methods.snip.ilp import Solution, SolverConfig, safe_plan, solve
+from megatron_ext.methods.snip.problem import Option, Problem, Site
 
 __all__ = ["Option", "Problem", "Site", "Solution", "SolverConfig", "safe_plan", "solve"]

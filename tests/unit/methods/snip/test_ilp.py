@@ -16,11 +16,11 @@ from snip_reference import (
     time_bound,
 )
 
-from megatron_ext.snip import ilp, incumbent, model
-from megatron_ext.snip.highs import BlockResult
-from megatron_ext.snip.ilp import SolverConfig, safe_plan, solve
-from megatron_ext.snip.problem import Option, Problem, Site
-from megatron_ext.snip.synthetic import synthetic_problem
+from megatron_ext.methods.snip import ilp, incumbent, model
+from megatron_ext.methods.snip.highs import BlockResult
+from megatron_ext.methods.snip.ilp import SolverConfig, safe_plan, solve
+from megatron_ext.methods.snip.problem import Option, Problem, Site
+from megatron_ext.methods.snip.synthetic import synthetic_problem
 
 MODES = ("paper", "time", "none")
 

@@ -1,7 +1,7 @@
 """SNIP step 4: loss divergence ΔL and weight divergence ΔW of every site x option.
 
-Inputs are the reduced statistics of :mod:`megatron_ext.snip.stats` (sums of squares over the
-global batch) and :mod:`megatron_ext.snip.adam`. Everything here is float64 arithmetic on
+Inputs are the reduced statistics of :mod:`megatron_ext.methods.snip.stats` (sums of squares over the
+global batch) and :mod:`megatron_ext.methods.snip.adam`. Everything here is float64 arithmetic on
 scalars; the model is not touched, so this runs on one rank in a background thread.
 
 Modelling a quantization error as a random perturbation (SNIP §4.1), Theorem 4.1 gives the
@@ -46,7 +46,7 @@ How ``e_B`` and ``e_F`` reach site ``l``'s gradient is the second-order term
   ``‖A_p ⊙ Δg_p‖² / ‖Δdx_j‖²`` (``dgAB_p / dxB_j``), times ``e_B²``;
 * **into the residual stream** at the *entry site* ``r`` of the branch (``qkv`` or ``fc1``:
   the site itself or its predecessor), through the norm in front of it, whose gain for an
-  isotropic error is κ² per row (:mod:`megatron_ext.snip.stats`). A ``qkv`` / ``fc1`` error
+  isotropic error is κ² per row (:mod:`megatron_ext.methods.snip.stats`). A ``qkv`` / ``fc1`` error
   enters as ``e_R² = e_B² · Σ_m ‖dx_m‖² κ_m² / ‖dx‖²`` (``dxdxN / dxdx``), an ``fc2`` /
   ``proj`` error as the probe's did: ``e_R² = e_B² · dxBN_r / dxB_j``. From there it reaches
   every site below ``r``: the probe gives site ``l`` the gradient ``Δg_l`` and the residual
@@ -60,14 +60,14 @@ The forward error is carried like the step-3 probe (noise ``ν`` on the last ``f
 error entering at ``j`` reaches the sites with the gain measured from the top).
 
 **Weight divergence** (§4.3.2, Definition 4.4) through AdamW's derivative ``α c A``
-(:mod:`megatron_ext.snip.adam`), kept element-wise::
+(:mod:`megatron_ext.methods.snip.adam`), kept element-wise::
 
       ΔW = (1/S) Σ_l α c ‖A_l ⊙ δg_l‖ / ‖W_l‖,   c = √(1-β2^t)/(1-β1^t)
 
 The paper writes ``‖A ⊙ δg‖ ≈ ‖A‖ ‖δg‖ / √(NK)`` (isotropic ``δg``); that overstates sites
 whose ``A`` is dominated by a few weights with ``v ≈ 0`` (and ``g ≈ 0``). Instead each part of
 ``δg`` is weighted by ``A²`` where it lands: the own wgrad error row- and column-wise
-(``WGdy + WGx``, :mod:`megatron_ext.snip.stats`), the propagated ones as above::
+(``WGdy + WGx``, :mod:`megatron_ext.methods.snip.stats`), the propagated ones as above::
 
       ‖A_l ⊙ δg_l‖² = [l = j] (WGdy + WGx) + [l = pred(j)] e_B² dgAB_l / dxB_j
                       + [l < r(j)] e_R² GA_B(r(j), l)² + [l <= j] e_F² GA_F(l)²
@@ -91,7 +91,7 @@ from megatron_ext.precision.sites import SiteFormats
 
 @dataclass(frozen=True)
 class SiteStats:
-    """Reduced statistics of one site (:mod:`megatron_ext.snip.stats` names)."""
+    """Reduced statistics of one site (:mod:`megatron_ext.methods.snip.stats` names)."""
 
     site: str
     """Site id ``L{i}.{name}``, in forward order within the list."""

@@ -12,9 +12,9 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.formats import fake_quant, get_format
 from megatron_ext.precision.layers import quantized_class
-from megatron_ext.snip.stats import BASE, PROBE_BACKWARD, PROBE_FORWARD, SiteObserver
+from megatron_ext.methods.snip.stats import BASE, PROBE_BACKWARD, PROBE_FORWARD, SiteObserver
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "precision"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "precision"))
 from precision_helpers import megatron_world  # noqa: E402,F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

@@ -2,12 +2,12 @@
 
 Every refresh of a ``--precision snip`` run (or a §6.1 statistics baseline) writes
 ``<run>/snip/step_<s>/stats.json`` — the reduced statistics of every site (``sites``: a list
-of :class:`~megatron_ext.snip.divergence.SiteStats` dicts), the loss, the AdamW
+of :class:`~megatron_ext.methods.snip.divergence.SiteStats` dicts), the loss, the AdamW
 hyper-parameters (``adam``) and the candidate formats per role (``candidates``) — and the run
 writes its flags to ``<run>/args.json``. From those two files this module rebuilds the
 refresh's ``problem.json`` with the same functions the run uses
-(:func:`megatron_ext.snip.planner.quality_table`, :func:`~megatron_ext.snip.planner.
-stage_fixed_times`, :func:`~megatron_ext.snip.planner.build_problem`), so that
+(:func:`megatron_ext.methods.snip.planner.quality_table`, :func:`~megatron_ext.methods.snip.planner.
+stage_fixed_times`, :func:`~megatron_ext.methods.snip.planner.build_problem`), so that
 ``tools/snip_analyze.py --stats`` and ``tools/tune_precision.py`` can re-plan for another
 budget, policy or **pipeline layout** (a what-if: the statistics do not depend on it).
 
@@ -27,12 +27,14 @@ import re
 from dataclasses import dataclass
 
 from megatron_ext.precision.cost import ModelShape
-from megatron_ext.precision.sites import SiteFormats, parse_site_id
-from megatron_ext.snip import planner
-from megatron_ext.snip.divergence import SiteStats
-from megatron_ext.snip.options import Candidates
-from megatron_ext.snip.problem import Problem, read_json
-from megatron_ext.snip.stats import PER_FORMAT, SCALARS
+from megatron_ext.sites import parse_site_id
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.methods.snip import planner
+from megatron_ext.methods.snip.divergence import SiteStats
+from megatron_ext.methods.snip.options import Candidates
+from megatron_ext.io import read_json
+from megatron_ext.methods.snip.problem import Problem
+from megatron_ext.methods.snip.stats import PER_FORMAT, SCALARS
 
 STATS_FILE = "stats.json"
 """A refresh's statistics, in ``<run>/snip/step_<s>/``."""
@@ -89,7 +91,7 @@ class Planning:
 
     refresh: Refresh
     policy: str
-    """Quality table used (:data:`megatron_ext.snip.planner.STATS_POLICIES`)."""
+    """Quality table used (:data:`megatron_ext.methods.snip.planner.STATS_POLICIES`)."""
     problem: Problem
     """The ILP instance (what the run writes as problem.json)."""
     args: argparse.Namespace

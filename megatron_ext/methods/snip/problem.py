@@ -1,6 +1,6 @@
 """The SNIP precision-selection problem as plain data: sites, their options, pipeline stages.
 
-This is the input of the ILP (:mod:`megatron_ext.snip.ilp`) and of
+This is the input of the ILP (:mod:`megatron_ext.methods.snip.ilp`) and of
 ``tools/snip_analyze.py``. It knows nothing about formats or models: a **site** (one linear
 GEMM site, ``L{i}.{qkv|proj|fc1|fc2}`` in this project) sits on one pipeline **stage** and
 offers **options** (say "all FP8", "FP4 for x and w", "all FP4"), each with
@@ -34,11 +34,10 @@ the place (``sites[3] (L0.fc2) options[1]: missing key 'q'``).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
+
+from megatron_ext.io import read_json, write_json_atomic
 
 VERSION = 1
 
@@ -150,37 +149,6 @@ class Problem:
             return cls.from_dict(data)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
-
-
-def read_json(path: str) -> dict:
-    """A JSON object from ``path``; one-line ``ValueError`` otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected an object")
-    return data
-
-
-def write_json_atomic(path: str, data) -> None:
-    """Dump ``data`` as indented JSON to ``path`` through a temp file in the same folder and
-    ``os.replace``, so readers never see a half-written file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 # ---------------------------------------------------------------- validation

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_ext.precision.plan import load_plan
-from megatron_ext.snip.problem import Problem
+from megatron_ext.methods.snip.problem import Problem
 from pretrain_runner import FAST_ARGS, REPO, launch, read_metrics, train_losses
 
 SNIP = ["--precision", "snip", "--snip-budget", "0.5", "--snip-start", "2",

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from megatron_ext.formats import get_format
 from megatron_ext.precision.cost import operand_class
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import PASSTHROUGH, ROLES, SiteFormats
+from megatron_ext.sites import ROLES
+from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
 
 DEFAULT_CANDIDATES = "fp8,fp4"
 """SNIP's candidate set: FP8 and FP4 per role."""

@@ -4,7 +4,7 @@ The model
 ---------
 Site ``i`` (``m`` of them) offers options ``j`` with quality loss ``q_ij``, FP4 FLOPs
 ``f_ij`` out of the site's ``F_i`` FLOPs, and estimated time ``t_ij``; ``x_ij ∈ {0, 1}``
-picks one (:mod:`megatron_ext.snip.problem`). With ``F = Σ_i F_i`` and the efficiency
+picks one (:mod:`megatron_ext.methods.snip.problem`). With ``F = Σ_i F_i`` and the efficiency
 saving ``e_ij = f_ij / F`` (the share of all linear FLOPs the option runs in FP4):
 
     (1)  minimise   Σ_ij q_ij x_ij                                     objective
@@ -41,14 +41,14 @@ linear-layer FLOPs to reach. Pipeline stages ``k = 0..K-1`` add one row each
 
 How it is solved
 ----------------
-1. **Dominance pruning** (:func:`~megatron_ext.snip.model.dominated`): option ``a`` of a
+1. **Dominance pruning** (:func:`~megatron_ext.methods.snip.model.dominated`): option ``a`` of a
    site is dropped when another option ``b`` of the same site has ``q_b <= q_a``,
    ``f_b >= f_a`` (and ``t_b <= t_a`` in time mode). Every row is monotone in ``f`` and
    ``t``, so swapping ``a`` for ``b`` in a feasible plan keeps it feasible at no higher
    cost: the optimum is unchanged. (Options equal in all three: the first is kept.)
-2. **Blocks** (:func:`~megatron_ext.snip.model.blocks`): in paper mode every stage is its
+2. **Blocks** (:func:`~megatron_ext.methods.snip.model.blocks`): in paper mode every stage is its
    own MIP (eq. 5 rows touch disjoint sites and imply eq. 2); other modes are one MIP.
-3. **Starting plan** per block (:mod:`megatron_ext.snip.incumbent`): the cheaper feasible
+3. **Starting plan** per block (:mod:`megatron_ext.methods.snip.incumbent`): the cheaper feasible
    one of the warm start (the previous refresh's plan, ``site -> option name``; a pruned
    option is replaced by the option that dominates it) and a constructed plan (knapsack
    dynamic programming for one-row blocks, Lagrangian greedy otherwise). With a starting
@@ -75,9 +75,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.snip import incumbent
-from megatron_ext.snip.highs import BlockResult, run_highs
-from megatron_ext.snip.model import (
+from megatron_ext.methods.snip import incumbent
+from megatron_ext.methods.snip.highs import BlockResult, run_highs
+from megatron_ext.methods.snip.model import (
     Block,
     Tables,
     blocks,
@@ -86,7 +86,7 @@ from megatron_ext.snip.model import (
     stage_time_bound,
     tables,
 )
-from megatron_ext.snip.problem import Problem
+from megatron_ext.methods.snip.problem import Problem
 
 STAGE_BALANCE = ("paper", "time", "none")
 """Pipeline-stage rows: SNIP eq. (5), the per-stage time cap, or none."""

@@ -1,7 +1,7 @@
 """Independent references for the SNIP ILP tests: random problems, brute force, scipy.
 
 Nothing here imports the solver's model code: the rows are written out again from the
-formulas in docs/snip.md, so a mistake in ``megatron_ext.snip.model`` cannot hide.
+formulas in docs/snip.md, so a mistake in ``megatron_ext.methods.snip.model`` cannot hide.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from megatron_ext.snip.problem import Option, Problem, Site
+from megatron_ext.methods.snip.problem import Option, Problem, Site
 
 TOL = 1e-9
 """Row slack, in fractions of F (FLOP rows) and of B (time rows), as the solver's."""

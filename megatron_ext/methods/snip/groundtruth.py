@@ -3,7 +3,7 @@
 On a trained model and one fixed held-out global batch:
 
 * **ΔL** — measured: quantize only site ``j``'s ``x`` and ``w`` (fprop) to the FP4 candidate,
-  run the forward pass, ``|L_j - L| / L``; estimated: :func:`~megatron_ext.snip.divergence.
+  run the forward pass, ``|L_j - L| / L``; estimated: :func:`~megatron_ext.methods.snip.divergence.
   loss_divergence` of the option (x, w in FP4) from one refresh's statistics on that batch.
   The estimate is the RMS of a random first-order change, the measurement one draw of it
   (a half-normal spread: a factor of several either way per site), so both can be taken as
@@ -11,7 +11,7 @@ On a trained model and one fixed held-out global batch:
 * **ΔW** — measured: from the same optimizer state, one AdamW step on the batch with only
   site ``j``'s backward operands in FP4, against the unquantized step:
   ``(1/S) Σ_l ‖W'_l - W_l‖ / ‖W_l‖`` over the ``S`` site weights; estimated:
-  :func:`~megatron_ext.snip.divergence.weight_divergences` of the all-FP4 option with the
+  :func:`~megatron_ext.methods.snip.divergence.weight_divergences` of the all-FP4 option with the
   forward part left out (the measurement keeps fprop exact). Two readings of "the site's
   gradients quantized": **wgrad** — only the site's weight-gradient GEMM (``dy``, ``x``), so
   only its own weights move differently; **backward** — also its dgrad (``dy``, ``w``), whose
@@ -34,9 +34,9 @@ import torch
 
 from megatron_ext.precision.plan import PrecisionPlan, apply_plan
 from megatron_ext.precision.sites import SiteFormats
-from megatron_ext.snip.divergence import (SiteStats, adam_step_size, loss_divergence,
+from megatron_ext.methods.snip.divergence import (SiteStats, adam_step_size, loss_divergence,
                                           weight_divergences)
-from megatron_ext.snip.refresh import adam_statistics, collect, reduce_statistics
+from megatron_ext.methods.snip.refresh import adam_statistics, collect, reduce_statistics
 from megatron_ext.training import loop
 
 
