@@ -9,8 +9,8 @@ See `python pretrain_llama.py --help` for every flag.
 
 import sys
 
-from megatron_ext.methods.snip.extension import snip_extensions
+from megatron_ext.defaults import default_extensions
 from megatron_ext.training.pretrain import main
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns worker processes
-    sys.exit(main("llama", extensions=snip_extensions()))
+    sys.exit(main("llama", extensions=default_extensions()))

@@ -118,9 +118,9 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--pretrain"]:  # child: one run (the guard matters for checkpoints)
         sys.path.insert(0, str(REPO))
-        from megatron_ext.methods.snip.extension import snip_extensions
+        from megatron_ext.defaults import default_extensions
         from megatron_ext.training.pretrain import main as pretrain_main
 
         sys.argv = [sys.argv[0], *sys.argv[2:]]
-        sys.exit(pretrain_main("llama", extensions=snip_extensions()))
+        sys.exit(pretrain_main("llama", extensions=default_extensions()))
     main()

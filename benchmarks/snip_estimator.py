@@ -35,15 +35,15 @@ def _train(run_dir: Path, iters: int, extra: list[str]) -> None:
 
 
 def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int = 1):
-    from megatron_ext.methods.snip.extension import snip_extensions
+    from megatron_ext.defaults import default_extensions
     from megatron_ext.methods.snip.groundtruth import check
     from megatron_ext.methods.snip.options import parse_candidates
     from megatron_ext.precision.policies import UNIFORM
     from megatron_ext.training.arguments import parse_args
-    from megatron_ext.training import extensions as ext
+    from megatron_ext import extension as ext
     from megatron_ext.training.pretrain import setup
 
-    exts = snip_extensions()
+    exts = default_extensions()
     args = parse_args("llama", ["--load", str(run_dir / "checkpoints"), "--no-save",
                                 "--precision", "uniform:bf16", "--override-precision-plan",
                                 "--run-dir", str(run_dir / "check"), *extra],

@@ -1,14 +1,32 @@
-"""The seam features plug into: flags, per-layer linear classes, setup and per-step hooks.
+"""The hook contract: how features (faults, the precision platform, each method) plug into a run.
 
-A feature (precision plans, SNIP, STQuant, ...) is one :class:`Extension`; an entry point passes
-the list it wants to :func:`megatron_ext.training.pretrain.main`. Every hook is optional.
+A feature is one :class:`Extension`; an entry point passes the list it wants to
+``megatron_ext.training.pretrain.main`` (``megatron_ext.defaults.default_extensions()`` is the
+full set). Every hook is optional and every per-run hook has the same arguments,
+``(args, run, state)``:
+
+* ``args`` — the parsed flags (``argparse.Namespace``);
+* ``run`` — the ``TrainingRun`` of this rank: ``model`` (DDP-wrapped chunks), ``optimizer``,
+  ``scheduler``, ``datasets``, ``checkpointer`` (``register(name, provider)`` for checkpoint
+  state), ``replay(consumed_samples)`` (forward + backward of one global batch with no
+  update, for observed passes) and ``step_result`` (the last step's loss, grad norm,
+  ``skipped``);
+* ``state`` — the ``TrainState`` (``iteration``, ``consumed_samples``).
+
+Hooks run in list order. The precision platform's extension comes last in the defaults, so a
+plan change a method makes in ``before_step`` or ``on_step`` lands at the next step boundary,
+on every rank. Extensions never call each other; they share state through the registries of
+``megatron_ext.precision`` (policies, the plan controller's overlays, operand transforms).
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+Hook = Callable[[argparse.Namespace, Any, Any], Any]
+"""``hook(args, run, state)``."""
 
 
 @dataclass(frozen=True)
@@ -16,28 +34,47 @@ class Extension:
     """Callbacks one feature contributes to a training run."""
 
     name: str
-    """Short name, used in messages."""
+    """Short name, used in messages and as the owner of its overlays and checkpoint state."""
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
     """Adds the feature's flags (an argument group) to the parser."""
     validate: Callable[[argparse.Namespace], None] | None = None
-    """Checks the parsed flags; raises ``UsageError`` with a one-line message."""
-    linear_classes: Callable[[argparse.Namespace], Callable[[int, str], type]] | None = None
-    """Returns ``(global layer, site) -> linear class`` for the layer specs (at most one
-    extension of a run may provide it)."""
-    after_setup: Callable[..., None] | None = None
-    """``after_setup(args, model, checkpointer)``: model built and wrapped, checkpoint state
-    may be registered (it runs before ``--load``)."""
-    before_step: Callable[..., None] | None = None
-    """``before_step(args, run, state)`` before each optimizer step (``run`` is the
-    ``TrainingRun``: model, optimizer, datasets): extra passes, plan switches."""
+    """Checks the parsed flags; raises ``UsageError`` with a one-line message. Runs for the
+    dry run too."""
+    linear_classes: Callable[[argparse.Namespace], Callable[[int, str], type] | None] | None \
+        = None
+    """Returns ``(global layer, site) -> linear class`` for the layer specs, or None (at most one
+    extension of a run returns classes: the precision platform's quantized linear; methods
+    change what happens inside it through operand transforms, not through classes)."""
+    build_optimizer: Callable[..., Any] | None = None
+    """``build_optimizer(args, model, default)`` -> optimizer, or None to leave it to others:
+    replaces the optimizer (``default(args, model)`` builds megatron's). At most one extension
+    of a run may return one (torchtitan's ``build_optimizers_fn``)."""
+    wrap_optimizer: Callable[..., Any] | None = None
+    """``wrap_optimizer(args, model, optimizer)`` -> optimizer: runs after the optimizer is
+    built, in list order (torchtitan's ``post_optimizer_hook``)."""
+    after_setup: Hook | None = None
+    """After the model, optimizer and checkpointer exist, before ``--load``: register
+    checkpoint state, apply the first plan."""
+    before_step: Hook | None = None
+    """Before each optimizer step: observed passes, plan switches."""
     on_step: Callable[..., dict | None] | None = None
-    """``on_step(args, model, state)`` after each optimizer step; a returned dict is merged
-    into that step's metrics record."""
+    """After each optimizer step (``run.step_result`` holds its result); a returned dict is
+    merged into that step's metrics record."""
     on_nonfinite: Callable[..., dict | None] | None = None
-    """``on_nonfinite(args, model, state)`` on every rank after a step whose loss or
-    gradients were not finite (its update was skipped, ``state.iteration`` is that step), before
-    the next one: the place to fall offending sites back to high precision. A returned dict is
-    merged into that step's metrics record (docs/faults.md)."""
+    """On every rank after a step whose loss or gradients were not finite (its update was
+    skipped, ``state.iteration`` is that step), before ``on_step``: the place to move offending
+    sites to high precision. A returned dict is merged into the step's metrics."""
+    should_stop: Callable[..., bool] | None = None
+    """After each step, on every rank (it may be collective): True saves a checkpoint and stops
+    the run cleanly; raising ``UsageError`` stops it with one line and no checkpoint."""
+    on_train_start: Hook | None = None
+    """Training begins (after ``--load``): install signal handlers, hooks."""
+    on_train_end: Hook | None = None
+    """Training ended, normally or not: undo what ``on_train_start`` did."""
+    dry_run_estimate: Callable[..., Any] | None = None
+    """``dry_run_estimate(args, context)`` -> a ``DryRunPart`` (rows and per-stage numbers the
+    feature adds to ``--dry-run``'s report) or None; ``context`` is the dry run's
+    ``DryRunContext`` (layout, model shape, stages)."""
 
 
 def args_provider(extensions: list[Extension]):
@@ -52,10 +89,18 @@ def args_provider(extensions: list[Extension]):
     return provide
 
 
-def linear_classes(extensions: list[Extension], args: argparse.Namespace):
-    """The one extension-provided linear-class map, or None for megatron's defaults."""
-    providers = [ext for ext in extensions if ext.linear_classes is not None]
-    if len(providers) > 1:
-        names = ", ".join(ext.name for ext in providers)
-        raise ValueError(f"several extensions provide linear classes: {names}")
-    return providers[0].linear_classes(args) if providers else None
+def hooks(extensions: list[Extension], name: str) -> list[Callable]:
+    """The extensions' ``name`` hooks, in list order."""
+    return [getattr(e, name) for e in extensions if getattr(e, name) is not None]
+
+
+def the_one(extensions: list[Extension], name: str, *call_args) -> Any:
+    """Call every extension's ``name`` hook; the one non-None answer, or None. ``ValueError``
+    if two extensions answer (two optimizers, two linear-class maps)."""
+    answers = [(e.name, hook(*call_args)) for e in extensions
+               if (hook := getattr(e, name)) is not None]
+    answers = [(who, value) for who, value in answers if value is not None]
+    if len(answers) > 1:
+        raise ValueError(f"several extensions provide {name}: "
+                         f"{', '.join(who for who, _ in answers)}")
+    return answers[0][1] if answers else None

@@ -1,21 +1,22 @@
-"""The precision Extension: flags, quantized linears in the layer specs, the plan on every rank.
+"""The precision platform's Extension: flags, quantized linears, the plan controller on every rank.
 
-Entry points use it as ``main("llama", extensions=[precision_extension()])``. Without a
-precision flag it does nothing (megatron's own linears, bit for bit). With one:
+``default_extensions()`` puts it last, after every method. Without a precision flag it does
+nothing (megatron's own linears, bit for bit). With one:
 
-1. ``validate`` builds the plan from ``--precision`` or ``--precision-plan`` (then
-   ``--keep-first-last-layers-bf16``) and checks it against the model: a bad file, bad JSON,
-   unknown site or format is a one-line ``UsageError``;
-2. ``linear_classes`` makes every site a quantized megatron linear;
-3. ``after_setup`` applies the plan, all-gathers its hash (every rank must hold the same plan),
-   registers it with the checkpointer, prints the FLOP split on rank 0 and writes the plan to
-   ``<run dir>/precision_plan.json`` there (rewritten whenever a new plan is applied);
-4. ``on_step`` adds the FLOP fractions (overall and per stage) and the plan hash to every
-   step's metrics.
+1. ``validate`` makes the base plan from ``--precision NAME[:ARG]`` (any registered policy,
+   :mod:`.policies`) or ``--precision-plan``, checks it against the model (a bad file, bad JSON,
+   unknown site or format is a one-line ``UsageError``) and lays ``--keep-first-last-layers-bf16``
+   as the overlay ``precision/keep<N>bf16``;
+2. ``linear_classes`` makes every site the one quantized megatron linear;
+3. ``after_setup`` commits the plan and registers the controller with the checkpointer;
+4. ``before_step`` commits whatever methods changed since the last step: the effective plan is
+   applied on every rank, its hash all-gathered (every rank must hold the same plan), the FLOP
+   split printed on rank 0 and the plan written to ``<run dir>/precision_plan.json``;
+5. ``on_step`` adds the FLOP fractions, the plan hash and, on a step that switched plans, the
+   number of changed sites to the step's metrics.
 
-On ``--load`` the checkpoint's plan replaces the flags' plan (it is training state, like the
-LR schedule) unless ``--override-precision-plan`` is given. :meth:`PrecisionRun.set_plan` is
-how a policy switches plans mid-run (all ranks at the same step).
+On ``--load`` the checkpoint's base plan and overlays replace the flags' (they are training
+state, like the LR schedule) unless ``--override-precision-plan`` is given.
 """
 
 from __future__ import annotations
@@ -25,27 +26,31 @@ import os
 
 import torch.distributed as dist
 
-from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
-from megatron_ext.precision.layers import quantized_linear_classes
-from megatron_ext.precision.plan import (PrecisionPlan, apply_plan, load_plan, save_plan,
-                                         verify_same_plan)
-from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec, policy_choices
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
+from megatron_ext.precision import policies
+from megatron_ext.precision.controller import PlanController
+from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
+from megatron_ext.precision.layers import quantized_linear_classes
+from megatron_ext.precision.plan import PrecisionPlan, apply_plan, load_plan, save_plan, \
+    verify_same_plan
 
 PLAN_FILE = "precision_plan.json"
-"""The plan in force, in the run directory (written by rank 0 whenever a plan is applied)."""
+"""The plan in force, in the run directory (written by rank 0 whenever it changes)."""
+OWNER = "precision"
+"""Owner name of the platform's own overlays."""
 
 
-def add_arguments(parser: argparse.ArgumentParser, extra_policies: dict | None = None) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("precision (per-layer GEMM formats)")
-    choices = ", ".join(policy_choices() + sorted(extra_policies or {}))
     g.add_argument("--precision", default=None, metavar="POLICY[:ARG]",
-                   help=f"make the plan with a policy: {choices}")
+                   help="make the base plan with a policy: "
+                        + ", ".join(policies.policy_choices()))
     g.add_argument("--precision-plan", default=None, metavar="PLAN.json",
-                   help="read the plan from a PrecisionPlan JSON file (docs/precision.md)")
+                   help="read the base plan from a PrecisionPlan JSON file (docs/precision.md)")
     g.add_argument("--keep-first-last-layers-bf16", type=int, default=0, metavar="N",
-                   help="run every site of the first and last N layers in BF16")
+                   help="an overlay over any base plan: every site of the first and last N "
+                        "layers in BF16")
     g.add_argument("--precision-backend", choices=["auto", "emulated"], default="auto",
                    help="auto: sites Transformer Engine supports run through TE on a capable "
                         "GPU; emulated: always fake-quantize")
@@ -53,14 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser, extra_policies: dict | None =
                    help="on --load, keep the flags' plan instead of the checkpoint's")
 
 
-def _flags_plan(args, extra_policies: dict | None = None) -> PrecisionPlan | None:
-    """The plan the flags ask for (None without precision flags); ``UsageError`` if bad."""
-    extra_policies = extra_policies or {}
-    if args.precision in extra_policies:
-        if args.precision_plan or args.keep_first_last_layers_bf16:
-            raise UsageError(f"--precision {args.precision} chooses every site itself: drop "
-                             "--precision-plan / --keep-first-last-layers-bf16")
-        return extra_policies[args.precision](args)
+def flags_plan(args) -> PrecisionPlan | None:
+    """The base plan the flags ask for (None without precision flags); ``UsageError`` if bad."""
     if args.precision and args.precision_plan:
         raise UsageError("--precision and --precision-plan exclude each other")
     keep = args.keep_first_last_layers_bf16
@@ -73,73 +72,93 @@ def _flags_plan(args, extra_policies: dict | None = None) -> PrecisionPlan | Non
         return None
     flag = "--precision" if args.precision else "--precision-plan"
     try:
-        plan = (plan_from_spec(args.precision, args.num_layers) if args.precision
+        plan = (policies.make_plan(args.precision, args) if args.precision
                 else load_plan(args.precision_plan))
         plan.check_model(args.num_layers)
     except ValueError as exc:
         raise UsageError(f"{flag}: {exc}") from None
-    return keep_layers_bf16(plan, keep, args.num_layers)
+    return plan
 
 
 class PrecisionRun:
-    """One training run's precision state: the plan in force and its FLOP report."""
+    """The platform's per-run state: the controller and the plan in force on this rank."""
 
-    def __init__(self, extra_policies: dict | None = None):
-        self.extra_policies = extra_policies or {}
-        """Policy name -> ``make(args) -> PrecisionPlan`` beyond :mod:`.policies` (SNIP's)."""
-        self.plan: PrecisionPlan | None = None
+    def __init__(self, controller: PlanController | None = None):
+        self.controller = controller or PlanController()
+        """Base plan + overlays; methods change it, :meth:`commit` applies it."""
         self.report: FlopReport | None = None
+        """The FLOP split of the plan in force."""
+        self.changed: list[str] | None = None
+        """Sites the last commit changed, until ``on_step`` reports them."""
         self.model = None
         self.args = None
 
     def validate(self, args) -> None:
-        self.plan = _flags_plan(args, self.extra_policies)
+        plan = flags_plan(args)
+        if plan is not None:
+            self.controller.set_base(plan)
+            keep = args.keep_first_last_layers_bf16
+            self.controller.set_overlay(OWNER, f"keep{keep}bf16",
+                                        policies.kept_layer_sites(keep, args.num_layers))
 
     def linear_classes(self, args):
-        if self.plan is None:
+        if self.controller.base is None:
             return None
         return quantized_linear_classes(te_allowed=args.precision_backend == "auto")
 
-    def after_setup(self, args, model, checkpointer) -> None:
-        if self.plan is None:
+    def after_setup(self, args, run, state) -> None:
+        if self.controller.base is None:
             return
-        self.model, self.args = model, args
-        self.set_plan(self.plan)
-        checkpointer.register("precision_plan", self)
+        self.model, self.args = run.model, args
+        self.commit()
+        run.checkpointer.register("precision_plan", self)
 
-    def set_plan(self, plan: PrecisionPlan) -> None:
-        """Apply ``plan`` on this rank (with this layout's per-stage FP4 fractions filled in),
-        check every rank holds the same one; on rank 0 print the split and write the plan to
-        ``<run dir>/precision_plan.json`` (:data:`PLAN_FILE`)."""
-        shape = ModelShape.from_args(self.args)
-        report = flop_report(plan.formats, shape)
+    def before_step(self, args, run, state) -> None:
+        if self.model is not None:
+            self.commit()
+
+    def commit(self) -> None:
+        """Apply the controller's effective plan if it changed (every rank, same step): fill in
+        this layout's per-stage FP4 fractions, apply, check every rank holds the same plan; on
+        rank 0 print the split and write :data:`PLAN_FILE`."""
+        changed = self.controller.changes()
+        if changed is None:
+            return
+        plan = self.controller.effective()
+        report = flop_report(plan.formats, ModelShape.from_args(self.args))
         plan = plan.replace(stage_fp4_frac=[s["fp4"] for s in report.stage_fractions])
         apply_plan(self.model, plan, self.args.num_layers)
         verify_same_plan(plan)
-        self.plan, self.report = plan, report
+        self.controller.applied, self.report = plan, report
+        self.changed = changed if self.changed is None else sorted({*self.changed, *changed})
         if dist.get_rank() == 0:
             print(_summary(plan, report), flush=True)
             if getattr(self.args, "run_dir", None):
                 save_plan(plan, os.path.join(self.args.run_dir, PLAN_FILE))
 
-    def on_step(self, args, model, state) -> dict | None:
-        if self.plan is None:
+    def on_step(self, args, run, state) -> dict | None:
+        if self.controller.applied is None:
             return None
-        return {**self.report.metrics(), "precision_plan": self.plan.hash[:12]}
+        metrics = {**self.report.metrics(), "precision_plan": self.controller.applied.hash[:12]}
+        if self.changed:
+            metrics["precision_changed_sites"] = len(self.changed)
+        self.changed = None
+        return metrics
 
     def state_dict(self) -> dict:
-        return {"plan": self.plan.to_dict()}
+        return self.controller.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        saved = PrecisionPlan.from_dict(state["plan"])
-        if self.args.override_precision_plan or saved.sites == self.plan.sites:
+        before = self.controller.effective()
+        if self.args.override_precision_plan:
             return
-        if dist.get_rank() == 0:
-            print(f"precision: restoring the checkpoint's plan ({saved.method}, "
-                  f"{saved.hash[:12]}) over the flags' plan ({self.plan.method}, "
-                  f"{self.plan.hash[:12]}); --override-precision-plan keeps the flags'",
+        self.controller.load_state_dict(state)
+        saved = self.controller.effective()
+        if saved.sites != before.sites and dist.get_rank() == 0:
+            print(f"precision: restoring the checkpoint's plan ({saved.method}) over the "
+                  f"flags' plan ({before.method}); --override-precision-plan keeps the flags'",
                   flush=True)
-        self.set_plan(saved)
+        self.commit()
 
 
 def _summary(plan: PrecisionPlan, report: FlopReport) -> str:
@@ -150,10 +169,8 @@ def _summary(plan: PrecisionPlan, report: FlopReport) -> str:
 
 
 def precision_extension(run: PrecisionRun | None = None) -> Extension:
-    """The precision Extension of one run (a fresh :class:`PrecisionRun` by default)."""
+    """The platform Extension of one run (a fresh :class:`PrecisionRun` by default)."""
     run = run or PrecisionRun()
-    return Extension(name="precision",
-                     add_arguments=lambda parser: add_arguments(parser, run.extra_policies),
-                     validate=run.validate,
+    return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
                      linear_classes=run.linear_classes, after_setup=run.after_setup,
-                     on_step=run.on_step)
+                     before_step=run.before_step, on_step=run.on_step)

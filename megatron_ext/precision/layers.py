@@ -19,7 +19,7 @@ A site's formats are the mutable attribute ``formats`` (a
 switching formats between steps rebuilds nothing. With every operand passthrough the call goes
 to megatron's own ``_forward_impl``, so such a site *is* megatron's linear. On a GPU with
 Transformer Engine, a site whose formats TE runs natively goes through TE
-(:mod:`megatron_ext.compat.te`) unless the class was built with ``te_allowed=False``.
+(:mod:`megatron_ext.precision.te`) unless the class was built with ``te_allowed=False``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron_ext.compat import te
+from megatron_ext.precision import te
 from megatron_ext.precision.gemm import quantized_gemm
 from megatron_ext.sites import site_id
 from megatron_ext.precision.sites import SiteFormats, resolve
@@ -46,7 +46,11 @@ class QuantizedLinear:
     te_allowed: bool = True
     """Whether natively supported formats may run through Transformer Engine."""
     observer = None
-    """While a SNIP refresh runs: the callable that runs the GEMM instead (None otherwise)."""
+    """During an observed pass (:mod:`.observe`): the callable that runs instead of the GEMM."""
+    transforms: tuple = ()
+    """Operand transforms, ``transform(module, input, weight) -> (input, weight)``, applied in
+    order before the GEMM (a method's weight perturbation: the plan then quantizes the result);
+    set per module with :func:`add_transform`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,7 +60,9 @@ class QuantizedLinear:
         self.formats = SiteFormats()
 
     def _forward_impl(self, input, weight, **kwargs):
-        if self.observer is not None:  # a SNIP refresh pass (megatron_ext.methods.snip.stats)
+        for transform in self.transforms:
+            input, weight = transform(self, input, weight)
+        if self.observer is not None:  # an observed pass (megatron_ext.precision.observe)
             return self.observer(self, input, weight, kwargs)
         ops = resolve(self.formats)
         if ops.passthrough:
@@ -108,3 +114,10 @@ def quantized_linears(model) -> dict[str, QuantizedLinear]:
                     raise RuntimeError(f"two linears claim site {module.site_id}")
                 found[module.site_id] = module
     return found
+
+
+def add_transform(model, sites, transform) -> None:
+    """Append ``transform`` to the operand transforms of ``model``'s ``sites`` (ids)."""
+    linears = quantized_linears(model)
+    for sid in sites:
+        linears[sid].transforms = (*linears[sid].transforms, transform)

@@ -1,4 +1,14 @@
-"""Policies that make a PrecisionPlan from the flags: ``--precision <policy>:<arg>``.
+"""The one policy registry: ``--precision NAME[:ARG]`` -> a :class:`Policy` -> a PrecisionPlan.
+
+A policy is registered once, at import, by the package that owns it (``uniform`` here, SNIP's
+seven in ``megatron_ext.methods.snip``; a new method registers its own the same way)::
+
+    register_policy(Policy("toy", make_toy_plan, help="..."))
+
+``make(args, arg)`` builds the **base plan** the run starts from (``arg`` is the text after the
+colon, or None); it may read the owning method's flags, which that method's extension has
+validated. A policy that decides during training (SNIP refreshes) starts from a safe plan and
+later replaces the base through the plan controller (:mod:`.controller`).
 
 ``uniform:<recipe>`` gives every site the same formats:
 
@@ -9,16 +19,17 @@
 * ``fp4`` — the same layout in E2M1, with stochastic rounding for ``dy`` (SNIP §6.1: "When
   applying the FP4 format to output gradients, we utilize stochastic rounding"; ``x`` and
   ``w`` round to nearest).
-
-:func:`keep_layers_bf16` then lifts the first and last N layers to BF16
-(``--keep-first-last-layers-bf16 N``). Later policies (SNIP, PGQ, ...) register here too.
 """
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.sites import SITES, site_id
 from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.sites import SITES, all_site_ids, site_id
 
 UNIFORM = {
     "bf16": SiteFormats("bf16", "bf16", "bf16"),
@@ -31,34 +42,74 @@ HIGH_PRECISION = UNIFORM["bf16"]
 """What ``--keep-first-last-layers-bf16`` gives the kept layers."""
 
 
-def uniform_plan(recipe: str, num_layers: int) -> PrecisionPlan:
-    """Every site of a ``num_layers``-layer model in ``UNIFORM[recipe]``."""
-    formats = UNIFORM[recipe]
-    sites = {site_id(layer, s): formats for layer in range(num_layers) for s in SITES}
-    return PrecisionPlan(sites, method=f"uniform:{recipe}")
+@dataclass(frozen=True)
+class Policy:
+    """One way to make a run's base plan from the flags."""
+
+    name: str
+    """``NAME`` in ``--precision NAME[:ARG]``."""
+    make: Callable[[argparse.Namespace, str | None], PrecisionPlan]
+    """``make(args, arg)`` -> the base plan (``ValueError`` for a bad one)."""
+    help: str
+    """One phrase for ``--help``."""
+    args: tuple[str, ...] = ()
+    """The ``ARG`` values accepted after the colon; empty: the policy takes none."""
+    owner: str = "precision"
+    """The method that registered it (its extension validates its flags)."""
+    dry_run: Callable[..., PrecisionPlan] | None = None
+    """``dry_run(args, shape)`` -> the plan ``--dry-run`` assumes, for a policy whose plan
+    only training can decide (None: ``make`` is used)."""
+
+    def spellings(self) -> list[str]:
+        return [f"{self.name}:{arg}" for arg in self.args] or [self.name]
 
 
-POLICIES = {"uniform": (uniform_plan, tuple(UNIFORM))}
-"""policy name -> (maker(arg, num_layers), accepted args)."""
+POLICIES: dict[str, Policy] = {}
+"""Registered policies by name."""
+
+
+def register_policy(policy: Policy) -> Policy:
+    """Add ``policy``; ``ValueError`` if another owner registered the name already."""
+    known = POLICIES.get(policy.name)
+    if known is not None and known.owner != policy.owner:
+        raise ValueError(f"policy {policy.name!r} is registered by {known.owner} already")
+    POLICIES[policy.name] = policy
+    return policy
 
 
 def policy_choices() -> list[str]:
-    return [f"{name}:{arg}" for name, (_, args) in POLICIES.items() for arg in args]
+    """Every accepted ``--precision`` spelling."""
+    return [s for name in sorted(POLICIES) for s in POLICIES[name].spellings()]
 
 
-def plan_from_spec(spec: str, num_layers: int) -> PrecisionPlan:
-    """The plan ``--precision spec`` asks for; ``ValueError`` for an unknown spec."""
-    name, _, arg = spec.partition(":")
-    maker, args = POLICIES.get(name, (None, ()))
-    if arg not in args:
+def lookup(spec: str) -> tuple[Policy, str | None]:
+    """The policy ``--precision spec`` names and its argument; ``ValueError`` if unknown."""
+    name, colon, arg = spec.partition(":")
+    policy = POLICIES.get(name)
+    if policy is None or (arg not in policy.args if policy.args else colon):
         raise ValueError(f"unknown precision {spec!r}; choose one of {', '.join(policy_choices())}")
-    return maker(arg, num_layers)
+    return policy, (arg if colon else None)
 
 
-def keep_layers_bf16(plan: PrecisionPlan, count: int, num_layers: int) -> PrecisionPlan:
-    """``plan`` with every site of the first and the last ``count`` layers in BF16."""
+def make_plan(spec: str, args: argparse.Namespace) -> PrecisionPlan:
+    """The base plan of ``--precision spec``."""
+    policy, arg = lookup(spec)
+    return policy.make(args, arg)
+
+
+def uniform_plan(recipe: str, num_layers: int) -> PrecisionPlan:
+    """Every site of a ``num_layers``-layer model in ``UNIFORM[recipe]``."""
+    formats = UNIFORM[recipe]
+    return PrecisionPlan({sid: formats for sid in all_site_ids(num_layers)},
+                         method=f"uniform:{recipe}")
+
+
+def kept_layer_sites(count: int, num_layers: int) -> dict[str, SiteFormats]:
+    """``--keep-first-last-layers-bf16 count``: every site of the first and last ``count``
+    layers in BF16 (an overlay's sites)."""
     kept = [layer for layer in range(num_layers) if layer < count or layer >= num_layers - count]
-    sites = dict(plan.sites)
-    sites.update({site_id(layer, s): HIGH_PRECISION for layer in kept for s in SITES})
-    suffix = f"+keep{count}bf16" if count else ""
-    return plan.replace(sites=sites, method=plan.method + suffix)
+    return {site_id(layer, s): HIGH_PRECISION for layer in kept for s in SITES}
+
+
+register_policy(Policy("uniform", lambda args, arg: uniform_plan(arg, args.num_layers),
+                       help="every site alike", args=tuple(UNIFORM)))

@@ -7,10 +7,11 @@ What and why:
   and ruin the weights for good. :func:`guarded_step` checks the loss and every gradient buffer,
   agrees across ranks (one all-reduce of two numbers) and skips the optimizer step when anything
   is non-finite: weights, Adam moments and the LR schedule stay as they were. The
-  :class:`FaultHandler` counts skipped steps (``skipped`` / ``skipped_total`` in the metrics),
-  calls every extension's ``on_nonfinite(args, model, state)`` hook (where a precision method
-  can move the offending sites to high precision, e.g. GNMR) and stops the run with a one-line
-  error after ``--max-skipped-steps`` skipped steps in a row.
+  loop then calls every extension's ``on_nonfinite(args, run, state)`` hook (where a precision
+  method can move the offending sites to high precision, e.g. GNMR); the
+  :class:`FaultHandler` (an ordinary extension) counts skipped steps (``skipped`` /
+  ``skipped_total`` in the metrics) and stops the run with a one-line error after
+  ``--max-skipped-steps`` skipped steps in a row.
 * **Rank desync.** A checkpoint holds one copy of the replicated state (iteration, consumed
   samples, every registered extension state such as the precision plan), written by rank 0. If
   ranks disagree, that copy is wrong for some of them. :func:`verify_ranks_agree` all-gathers a
@@ -128,10 +129,9 @@ def guarded_step(optimizer, model: list, loss: float) -> tuple[bool, float]:
 
 class FaultHandler:
     """One run's fault state: skipped-step counters (checkpointed), the SIGTERM flag, the
-    fault injection hooks. Built by :func:`megatron_ext.training.pretrain.pretrain`."""
+    fault injection hooks. An ordinary extension (:meth:`extension`), first in the defaults."""
 
-    def __init__(self, on_nonfinite=()):
-        self.on_nonfinite = list(on_nonfinite)
+    def __init__(self):
         self.args: argparse.Namespace | None = None
         self.consecutive = 0
         self.total = 0
@@ -141,23 +141,19 @@ class FaultHandler:
         self._previous_handler = None
         self._hook_handles = []
 
-    @classmethod
-    def for_args(cls, args: argparse.Namespace) -> "FaultHandler":
-        handler = cls()
-        handler.configure(args)
-        return handler
-
     def configure(self, args: argparse.Namespace) -> None:
         validate_args(args)
         self.args = args
 
     def extension(self) -> Extension:
-        """The flags, their validation and the checkpointed counters, as an Extension."""
+        """The flags, their validation, the checkpointed counters and the per-step handling."""
         return Extension(name="faults", add_arguments=add_arguments, validate=self.configure,
-                         after_setup=self.after_setup)
+                         after_setup=self.after_setup, on_train_start=self.start,
+                         on_train_end=self.close, on_nonfinite=self.on_nonfinite,
+                         on_step=self.on_step, should_stop=self.should_stop)
 
-    def after_setup(self, args, model, checkpointer) -> None:
-        checkpointer.register("faults", self)
+    def after_setup(self, args, run, state) -> None:
+        run.checkpointer.register("faults", self)
 
     def state_dict(self) -> dict:
         return {"skipped_total": self.total, "skipped_in_a_row": self.consecutive}
@@ -166,18 +162,18 @@ class FaultHandler:
         self.total = int(state.get("skipped_total", 0))
         self.consecutive = int(state.get("skipped_in_a_row", 0))
 
-    def start(self, model: list, state) -> None:
+    def start(self, args, run, state) -> None:
         """Training begins: install the SIGTERM handler and the injection hook (if asked)."""
         self._state = state
-        if self.args.exit_signal_handler and threading.current_thread() is threading.main_thread():
+        if args.exit_signal_handler and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-            if self.args.save:
+            if args.save:
                 _start_writer_queue_ignoring_sigterm()
-        if self.args.inject_nonfinite_at_step:
+        if args.inject_nonfinite_at_step:
             self._hook_handles = [m.register_forward_hook(self._poison)
-                                  for m in unwrap_model(model) if getattr(m, "post_process", 1)]
+                                  for m in unwrap_model(run.model) if getattr(m, "post_process", 1)]
 
-    def close(self) -> None:
+    def close(self, args=None, run=None, state=None) -> None:
         """Restore the previous SIGTERM handler and remove the injection hooks."""
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
@@ -196,26 +192,25 @@ class FaultHandler:
             return output * float("nan")
         return output
 
-    def after_step(self, args, model, state, result: dict) -> dict:
-        """Count a skipped step and call the ``on_nonfinite`` hooks; after too many in a row,
-        :meth:`should_stop` aborts (once the step is logged). Returns the step's fault metrics.
-        Every rank sees the same ``result["skipped"]``."""
-        self._inject_desync(state)
-        if not result["skipped"]:
-            self.consecutive = 0
-            return {"skipped": False, "skipped_total": self.total}
+    def on_nonfinite(self, args, run, state) -> None:
+        """Count a skipped step (every rank sees the same ``skipped``); after too many in a
+        row, :meth:`should_stop` aborts (once the step is logged)."""
         self.consecutive += 1
         self.total += 1
-        metrics = {"skipped": True, "skipped_total": self.total}
-        for hook in self.on_nonfinite:
-            metrics.update(hook(args, model, state) or {})
-        self._report_skip(state, result["loss"])
+        self._report_skip(state, run.step_result["loss"])
         if self.consecutive >= args.max_skipped_steps:
             first = state.iteration - self.consecutive + 1
             self._abort = (f"training stopped: {self.consecutive} steps in a row (steps "
                            f"{first}-{state.iteration}) had a non-finite loss or gradients and "
                            f"were skipped (--max-skipped-steps {args.max_skipped_steps})")
-        return metrics
+
+    def on_step(self, args, run, state) -> dict:
+        """The step's fault metrics (``skipped``, ``skipped_total``)."""
+        self._inject_desync(state)
+        skipped = run.step_result["skipped"]
+        if not skipped:
+            self.consecutive = 0
+        return {"skipped": skipped, "skipped_total": self.total}
 
     def _report_skip(self, state, loss: float) -> None:
         if _rank() == 0:
@@ -227,19 +222,19 @@ class FaultHandler:
         if self.args.inject_desync_on_rank == _rank() and state.iteration == 1:
             state.consumed_samples += 1
 
-    def should_stop(self, state) -> bool:
+    def should_stop(self, args, run, state) -> bool:
         """End of a step: ``UsageError`` (abort, no checkpoint) after too many non-finite steps
         in a row; True (save and stop) if any rank got SIGTERM. With the signal handler on this
         is collective (one all-reduce of one number), so all ranks stop after the same step."""
         if self._abort:
             raise UsageError(self._abort)
-        if not self.args.exit_signal_handler:
+        if not args.exit_signal_handler:
             return False
         flag = torch.tensor([int(self.signalled)], dtype=torch.int32, device=device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and _rank() == 0:
-            then = "saving a checkpoint and exiting" if self.args.save \
+            then = "saving a checkpoint and exiting" if args.save \
                 else "exiting (no checkpoint: --no-save)"
             print(f"received SIGTERM: stopping after step {state.iteration}, {then}", flush=True)
         return bool(flag.item())

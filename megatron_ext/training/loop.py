@@ -16,7 +16,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.data.sampler import MicroBatchIterator
 from megatron_ext.training.distributed import device
-from megatron_ext.training.faults import FaultHandler, guarded_step
+from megatron_ext import extension as ext
+from megatron_ext.training.faults import guarded_step
 
 
 @dataclass
@@ -112,12 +113,38 @@ def _memory_gib() -> dict:
     return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=(),
-          faults=None) -> TrainState:
+def replay(args, model: list, train_dataset, consumed_samples: int, dataset=None) -> float:
+    """Forward + backward of the global batch at ``consumed_samples`` of ``dataset`` (default:
+    the training set) with no update; the gradient buffers are zeroed after. Returns its loss
+    (``TrainingRun.replay``)."""
+    dataset = train_dataset if dataset is None else dataset
+    iterator = data_iterators(args, dataset, consumed_samples, len(model))
+    loss = run_schedule(args, model, iterator, forward_only=False)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    return loss
+
+
+def _after_step(args, run, state, extensions) -> dict:
+    """The extensions' hooks after a step: ``on_nonfinite`` (if it was skipped), then
+    ``on_step``; returns their metrics."""
+    extra = {}
+    if run.step_result["skipped"]:
+        for hook in ext.hooks(extensions, "on_nonfinite"):
+            extra.update(hook(args, run, state) or {})
+    for hook in ext.hooks(extensions, "on_step"):
+        extra.update(hook(args, run, state) or {})
+    return extra
+
+
+def _should_stop(args, run, state, extensions) -> bool:
+    """Asks every extension (its answer may be collective: never short-circuited)."""
+    return any([stop(args, run, state) for stop in ext.hooks(extensions, "should_stop")])
+
+
+def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
     """Train ``run`` (a TrainingRun) to ``--train-iters``: validate, log and checkpoint on
-    schedule, call each ``hook(args, model, state)`` after every step, and let ``faults`` (a
-    FaultHandler) skip non-finite steps and stop on SIGTERM."""
-    faults = faults or FaultHandler.for_args(args)
+    schedule, and call the extensions' hooks (``megatron_ext.extension``) around every step."""
     model, optimizer, scheduler, state = run.model, run.optimizer, run.scheduler, run.state
     checkpointer = run.checkpointer if args.save else None
     train_ds, valid_ds = run.datasets
@@ -127,35 +154,39 @@ def train(args: argparse.Namespace, run, logger, hooks=(), pre_hooks=(),
         chunk.train()
     if state.iteration == 0:
         _validate(args, model, valid_ds, state, logger)  # the starting point of the curve
-    faults.start(model, state)
-    while state.iteration < args.train_iters:
-        for pre_hook in pre_hooks:  # ``pre_hook(args, run, state)``: extra passes, plan switches
-            pre_hook(args, run, state)
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        start = time.time()
-        result = train_step(args, model, optimizer, scheduler, iterator)
-        step_time = time.time() - start
-        state.iteration += 1
-        state.consumed_samples += args.global_batch_size
-        extra = faults.after_step(args, model, state, result)
-        for hook in hooks:
-            extra.update(hook(args, model, state) or {})
-        if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1
-                       or result["skipped"]):
-            logger.train_step({
-                "step": state.iteration, "loss": result["loss"],
-                "lr": lr, "grad_norm": result["grad_norm"],
-                "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                "consumed_samples": state.consumed_samples, **_memory_gib(), **extra})
-        last = state.iteration == args.train_iters
-        if state.iteration % args.eval_interval == 0 or last:
-            _validate(args, model, valid_ds, state, logger)
-        stop = bool(args.exit_interval) and state.iteration % args.exit_interval == 0
-        stop = faults.should_stop(state) or stop  # SIGTERM: save and stop like exit-interval
-        if checkpointer is not None and (last or stop or _due(args.save_interval, state)):
-            checkpointer.save(state)
-        if stop:
-            break
+    for hook in ext.hooks(extensions, "on_train_start"):
+        hook(args, run, state)
+    try:
+        while state.iteration < args.train_iters:
+            for hook in ext.hooks(extensions, "before_step"):  # observed passes, plan switches
+                hook(args, run, state)
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+            start = time.time()
+            run.step_result = train_step(args, model, optimizer, scheduler, iterator)
+            step_time = time.time() - start
+            state.iteration += 1
+            state.consumed_samples += args.global_batch_size
+            extra = _after_step(args, run, state, extensions)
+            result = run.step_result
+            if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1
+                           or result["skipped"]):
+                logger.train_step({
+                    "step": state.iteration, "loss": result["loss"],
+                    "lr": lr, "grad_norm": result["grad_norm"],
+                    "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                    "consumed_samples": state.consumed_samples, **_memory_gib(), **extra})
+            last = state.iteration == args.train_iters
+            if state.iteration % args.eval_interval == 0 or last:
+                _validate(args, model, valid_ds, state, logger)
+            stop = bool(args.exit_interval) and state.iteration % args.exit_interval == 0
+            stop = _should_stop(args, run, state, extensions) or stop  # SIGTERM, too many skips
+            if checkpointer is not None and (last or stop or _due(args.save_interval, state)):
+                checkpointer.save(state)
+            if stop:
+                break
+    finally:
+        for hook in ext.hooks(extensions, "on_train_end"):
+            hook(args, run, state)
     return state
 
 

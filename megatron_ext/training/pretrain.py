@@ -9,7 +9,9 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,12 +25,12 @@ from megatron_ext.errors import UsageError
 
 @dataclass
 class TrainingRun:
-    """Everything ``setup`` builds for one rank."""
+    """Everything ``setup`` builds for one rank (what hooks get as ``run``)."""
 
     model: list
     """Model chunks wrapped in megatron DDP (one per virtual pipeline stage)."""
     optimizer: object
-    """megatron-core optimizer (AdamW, distributed or not)."""
+    """megatron-core optimizer (AdamW, distributed or not), or an extension's."""
     scheduler: object
     """megatron-core OptimizerParamScheduler."""
     datasets: tuple
@@ -37,6 +39,13 @@ class TrainingRun:
     """TrainState: iteration and consumed samples (restored on --load)."""
     checkpointer: object
     """Checkpointer; extensions register extra state on it."""
+    replay: Callable[..., float]
+    """``replay(consumed_samples, dataset=None)``: forward + backward of the global batch that
+    starts at that sample (of the training set by default), through the real pipeline
+    schedule, with no update and the gradients zeroed after; returns its loss (observed
+    passes: ``megatron_ext.precision.observe``)."""
+    step_result: dict = field(default_factory=dict)
+    """The last step's ``loss``, ``grad_norm`` and ``skipped`` (empty before the first)."""
 
 
 def _write_args(args) -> None:
@@ -46,15 +55,16 @@ def _write_args(args) -> None:
 
 
 def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
-    """Distributed init, data, model, optimizer, scheduler, checkpointer; resumes on --load."""
-    from megatron_ext.training import checkpointing, data, distributed, init, model, optimizer
+    """Distributed init, data, model, optimizer, scheduler, checkpointer; the extensions'
+    ``after_setup``; resumes on --load."""
+    from megatron_ext.training import checkpointing, data, distributed, init, loop, model, optimizer
     from megatron_ext.training.loop import TrainState
 
     distributed.initialize(args)
     tokenizer, train_ds, valid_ds = data.build_data(args)
     args.padded_vocab_size = model.padded_vocab_size(model.vocab_size(tokenizer, args), args)
     config = model.transformer_config(args)
-    linears = ext.linear_classes(extensions, args)
+    linears = ext.the_one(extensions, "linear_classes", args)
     args.transformer_impl = model.resolve_transformer_impl(args.transformer_impl,
                                                            linears is not None)
     linears = linears or model.default_linear_classes
@@ -63,14 +73,19 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     ddp_model = optimizer.wrap_ddp(args, config, chunks)
-    opt = optimizer.build_optimizer(args, ddp_model)
+    opt = (ext.the_one(extensions, "build_optimizer", args, ddp_model, optimizer.build_optimizer)
+           or optimizer.build_optimizer(args, ddp_model))
+    for wrap in ext.hooks(extensions, "wrap_optimizer"):
+        opt = wrap(args, ddp_model, opt)
     scheduler = optimizer.build_scheduler(args, opt)
     ckpt = checkpointing.Checkpointer(args.save, ddp_model, opt, scheduler)
-    for extension in extensions:
-        if extension.after_setup is not None:
-            extension.after_setup(args, ddp_model, ckpt)
-    state = ckpt.load(args.load, args.finetune) if args.load else TrainState()
-    return TrainingRun(ddp_model, opt, scheduler, (train_ds, valid_ds), state, ckpt)
+    run = TrainingRun(ddp_model, opt, scheduler, (train_ds, valid_ds), TrainState(), ckpt,
+                      partial(loop.replay, args, ddp_model, train_ds))
+    for hook in ext.hooks(extensions, "after_setup"):
+        hook(args, run, run.state)
+    if args.load:
+        run.state = ckpt.load(args.load, args.finetune)
+    return run
 
 
 def _announce(family: str, args, run: TrainingRun) -> None:
@@ -84,32 +99,26 @@ def _announce(family: str, args, run: TrainingRun) -> None:
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState (with
     ``--dry-run``: the DryRunReport, and nothing is started)."""
-    from megatron_ext.training.faults import FaultHandler
     from megatron_ext.training.loop import train
     from megatron_ext.training.metrics import MetricsLogger
 
-    faults = FaultHandler([e.on_nonfinite for e in extensions if e.on_nonfinite is not None])
-    extensions = [faults.extension(), *extensions]  # --max-skipped-steps, ... (docs/faults.md)
-    provider = dry_run.args_provider(ext.args_provider(list(extensions)))
+    extensions = list(extensions)
+    provider = dry_run.args_provider(ext.args_provider(extensions))
     simulated = dry_run.request(family, argv, provider)
     args = parse_args(family, argv, provider, simulated and simulated.world_size)
-    for extension in extensions:
-        if extension.validate is not None:
-            extension.validate(args)
+    for validate in ext.hooks(extensions, "validate"):
+        validate(args)
     if simulated:
-        return dry_run.run(args, simulated)
-    run = setup(args, list(extensions))
+        return dry_run.run(args, simulated, extensions)
+    run = setup(args, extensions)
     logger = None
     if dist.get_rank() == 0:
         _write_args(args)
         logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir)
         _announce(family, args, run)
-    hooks = [e.on_step for e in extensions if e.on_step is not None]
-    pre_hooks = [e.before_step for e in extensions if e.before_step is not None]
     try:
-        return train(args, run, logger, hooks, pre_hooks=pre_hooks, faults=faults)
+        return train(args, run, logger, extensions)
     finally:
-        faults.close()
         if logger:
             logger.close()
 

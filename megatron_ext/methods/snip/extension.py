@@ -30,9 +30,10 @@ import time
 import numpy as np
 import torch.distributed as dist
 
+from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import ModelShape
-from megatron_ext.precision.extension import PrecisionRun, precision_extension
 from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.policies import Policy, register_policy
 from megatron_ext.sites import SITES, ROLES, site_id
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.methods.snip import planner
@@ -75,12 +76,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-seed", type=int, default=0, help="seed of the random baseline")
 
 
+def parse_flags(args) -> tuple[dict, list[SiteFormats]]:
+    """SNIP's flags checked; returns (candidate formats per role, options)."""
+    if not 0.0 <= args.snip_budget <= 1.0:
+        raise UsageError(f"--snip-budget must be in [0, 1], got {args.snip_budget}")
+    if args.snip_start < 0 or args.snip_interval < 0 or args.snip_apply_lag < 1:
+        raise UsageError("--snip-start and --snip-interval must be >= 0 and "
+                         "--snip-apply-lag >= 1")
+    if args.snip_noise <= 0:
+        raise UsageError(f"--snip-noise must be > 0, got {args.snip_noise}")
+    try:
+        cands = parse_candidates(args.snip_candidates)
+    except ValueError as exc:
+        raise UsageError(f"--snip-candidates: {exc}") from None
+    return cands.all_formats(), cands.options()
+
+
+def initial_plan(args, arg=None) -> PrecisionPlan:
+    """The base plan before the first refresh (the registered policies' maker): the static
+    baselines' ILP plan, else the **safe plan** (every role's first candidate)."""
+    candidates, options = parse_flags(args)
+    if args.precision in planner.STATIC_POLICIES:
+        return solve_plan(args, args.precision, options, None, step=0)[0]
+    first = SiteFormats(*(candidates[r][0] for r in ROLES))
+    sites = {site_id(layer, s): first for layer in range(args.num_layers) for s in SITES}
+    return PrecisionPlan(sites, method=f"{args.precision}:safe")
+
+
+def solve_plan(args, policy: str, options, stats, step, loss=1.0, hyper=None, warm=None):
+    """Steps 4-5: quality table -> ILP -> plan; returns (plan, solution, q, table, problem)
+    (``table``: ΔL, ΔW, Q per site x option, ``snip`` only, kept for divergence.json)."""
+    shape = ModelShape.from_args(args)
+    sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
+    weights = (args.snip_loss_weight, args.snip_weight_weight)
+    table = None
+    if policy == "snip":
+        table = divergences(stats, options, loss, hyper, *weights)
+        q = planner.divergence_q(table)
+    else:
+        q = planner.quality_table(policy, stats, options, loss, hyper, shape, args.snip_seed,
+                                  weights)
+    fixed = planner.stage_fixed_times(shape, args.seq_length,
+                                      getattr(args, "padded_vocab_size", 0) or 0)
+    problem = planner.build_problem(sites, options, q, shape, fixed,
+                                    meta={"step": step, "policy": policy})
+    config = SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads)
+    plan, solution = planner.make_plan(problem, options, policy, step, args.snip_budget,
+                                       args.snip_stage_balance, config, warm)
+    return plan, solution, q, table, problem
+
+
 class SnipRun:
     """One run's SNIP state: options, the pending refresh, the worker."""
 
-    def __init__(self):
-        self.precision: PrecisionRun | None = None
-        """The precision extension's run, which applies plans (set by :func:`snip_extensions`)."""
+    def __init__(self, controller: PlanController):
+        self.controller = controller
+        """The platform's plan controller: a refresh replaces its base plan."""
         self.policy: str | None = None
         self.options: list[SiteFormats] = []
         self.candidates: dict = {}
@@ -91,32 +142,15 @@ class SnipRun:
         self._result: dict | None = None
         self._collect_s = 0.0
         self._apply_s: float | None = None
-        self.run = None
 
-    # -- flags -------------------------------------------------------------------------
-    def initial_plan(self, args) -> PrecisionPlan:
-        """The plan before the first refresh (the precision extension's policy hook)."""
-        self._validate(args)
-        if self.policy in planner.STATIC_POLICIES:
-            return self._solve(args, None, step=0)[0]
-        first = SiteFormats(*(self.candidates[r][0] for r in ROLES))
-        sites = {site_id(layer, s): first for layer in range(args.num_layers) for s in SITES}
-        return PrecisionPlan(sites, method=f"{self.policy}:safe")
+    def validate(self, args) -> None:
+        self.policy = args.precision if args.precision in POLICIES else None
+        if self.policy is not None:
+            self.candidates, self.options = parse_flags(args)
 
-    def _validate(self, args) -> None:
-        self.policy = args.precision
-        if not 0.0 <= args.snip_budget <= 1.0:
-            raise UsageError(f"--snip-budget must be in [0, 1], got {args.snip_budget}")
-        if args.snip_start < 0 or args.snip_interval < 0 or args.snip_apply_lag < 1:
-            raise UsageError("--snip-start and --snip-interval must be >= 0 and "
-                             "--snip-apply-lag >= 1")
-        if args.snip_noise <= 0:
-            raise UsageError(f"--snip-noise must be > 0, got {args.snip_noise}")
-        try:
-            cands = parse_candidates(args.snip_candidates)
-        except ValueError as exc:
-            raise UsageError(f"--snip-candidates: {exc}") from None
-        self.candidates, self.options = cands.all_formats(), cands.options()
+    def after_setup(self, args, run, state) -> None:
+        if self.policy is not None:
+            run.checkpointer.register("snip", self)
 
     # -- schedule ----------------------------------------------------------------------
     def _refresh_due(self, args, step: int) -> bool:
@@ -127,18 +161,17 @@ class SnipRun:
         return bool(args.snip_interval) and (step - args.snip_start) % args.snip_interval == 0
 
     def before_step(self, args, run, state) -> None:
-        self.run = run
         if self.pending is not None and state.iteration == self.pending["apply"]:
             start = time.perf_counter()
             self._apply(args)
             self._apply_s = time.perf_counter() - start
         if self._refresh_due(args, state.iteration):
             start = time.perf_counter()
-            self._collected = collect(args, run.model, run.datasets[0], state.consumed_samples,
-                                      self.candidates, args.snip_noise)
+            self._collected = collect(args, run, state.consumed_samples, self.candidates,
+                                      args.snip_noise)
             self._collect_s = time.perf_counter() - start
 
-    def on_step(self, args, model, state) -> dict | None:
+    def on_step(self, args, run, state) -> dict | None:
         """Metrics of this step: ``snip_apply_s`` (plan switch before it, waiting for the
         worker included); after a refresh's step ``s+1``: ``snip_collect_s`` (steps 1-3
         before it) and ``snip_reduce_s`` (AdamW read + the all-reduce, after it)."""
@@ -149,7 +182,7 @@ class SnipRun:
             start = time.perf_counter()
             observers, loss = self._collected
             self._collected = None
-            hyper = adam_statistics(self.run.optimizer, model, observers)
+            hyper = adam_statistics(run.optimizer, run.model, observers)
             stats = reduce_statistics(observers, args, self.candidates)
             step = state.iteration - 1
             self.pending = {"step": step, "apply": step + args.snip_apply_lag,
@@ -170,7 +203,7 @@ class SnipRun:
             start = time.perf_counter()
             stats = [SiteStats(**s) for s in pending["stats"]]
             plan, sol = self._solve(args, stats, pending["step"], pending["loss"],
-                                    pending["hyper"], write=True)
+                                    pending["hyper"])
             self._result = {"plan": plan.to_dict(), "solution": sol.to_dict(),
                             "seconds": time.perf_counter() - start}
 
@@ -190,33 +223,18 @@ class SnipRun:
                   f"(analysis + ILP {self._result['seconds']:.2f} s in the background)",
                   flush=True)
         dist.broadcast_object_list(payload, src=0)
-        self.precision.set_plan(PrecisionPlan.from_dict(payload[0]))
+        self.controller.set_base(PrecisionPlan.from_dict(payload[0]))
         self.pending, self._worker = None, None
 
     # -- steps 4-5 -----------------------------------------------------------------------
-    def _solve(self, args, stats, step, loss=1.0, hyper=None, write=False):
-        shape = ModelShape.from_args(args)
-        sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
-        weights = (args.snip_loss_weight, args.snip_weight_weight)
-        table = None  # ΔL, ΔW, Q per site x option (snip only), kept for divergence.json
-        if self.policy == "snip":
-            table = divergences(stats, self.options, loss, hyper, *weights)
-            q = planner.divergence_q(table)
-        else:
-            q = planner.quality_table(self.policy, stats, self.options, loss, hyper, shape,
-                                      args.snip_seed, weights)
-        fixed = planner.stage_fixed_times(shape, args.seq_length,
-                                          getattr(args, "padded_vocab_size", 0) or 0)
-        problem = planner.build_problem(sites, self.options, q, shape, fixed,
-                                        meta={"step": step, "policy": self.policy})
-        config = SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads)
-        warm = None
-        if self.precision.plan is not None:
-            warm = {sid: option_name(f) for sid, f in self.precision.plan.sites.items()}
-        plan, solution = planner.make_plan(problem, self.options, self.policy, step,
-                                           args.snip_budget, args.snip_stage_balance,
-                                           config, warm)
-        if write and args.run_dir:
+    def _solve(self, args, stats, step, loss, hyper):
+        """:func:`solve_plan` warm-started from SNIP's plan in force; writes the refresh's
+        files under ``<run dir>/snip/step_<s>/``."""
+        base = self.controller.base
+        warm = {sid: option_name(f) for sid, f in base.sites.items()} if base else None
+        plan, solution, q, table, problem = solve_plan(args, self.policy, self.options, stats,
+                                                       step, loss, hyper, warm)
+        if args.run_dir:
             self._write(args.run_dir, step, stats, q, table, problem, solution, plan, loss,
                         hyper)
         return plan, solution
@@ -256,18 +274,18 @@ def _divergence_json(step, names, stats, q, table, policy) -> dict:
     return {"version": 1, "step": step, "policy": policy, "options": names, "sites": sites}
 
 
-def snip_extensions() -> list[Extension]:
-    """The precision Extension with the SNIP policies added, and the SNIP Extension."""
-    snip = SnipRun()
-    snip.precision = PrecisionRun({policy: snip.initial_plan for policy in POLICIES})
+for _name in POLICIES:
+    register_policy(Policy(_name, initial_plan, owner="snip",
+                           help="SNIP" if _name == "snip" else f"SNIP's {_name} baseline"))
 
-    def after_setup(args, model, checkpointer):
-        if args.precision in POLICIES:
-            checkpointer.register("snip", snip)
+
+def snip_extension(controller: PlanController) -> Extension:
+    """The SNIP Extension of one run; refreshes replace ``controller``'s base plan."""
+    snip = SnipRun(controller)
 
     def active(hook):
-        return lambda args, *rest: hook(args, *rest) if args.precision in POLICIES else None
+        return lambda args, *rest: hook(args, *rest) if snip.policy is not None else None
 
-    return [precision_extension(snip.precision),
-            Extension(name="snip", add_arguments=add_arguments, after_setup=after_setup,
-                      before_step=active(snip.before_step), on_step=active(snip.on_step))]
+    return Extension(name="snip", add_arguments=add_arguments, validate=snip.validate,
+                     after_setup=snip.after_setup, before_step=active(snip.before_step),
+                     on_step=active(snip.on_step))

@@ -78,7 +78,7 @@ def _loss(args, model, dataset, consumed: int = 0) -> float:
 
 def _collect_stats(args, run, dataset, consumed: int, candidates: dict, noise: float):
     """(reduced statistics, loss) of the global batch at ``consumed``."""
-    observers, loss = collect(args, run.model, dataset, consumed, candidates, noise)
+    observers, loss = collect(args, run, consumed, candidates, noise, dataset)
     return reduce_statistics(observers, args, candidates), loss
 
 
@@ -155,7 +155,7 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
     empty = PrecisionPlan({})
     apply_plan(run.model, empty, num_layers)
     snap = _snapshot(run)
-    observers, loss = collect(args, run.model, dataset, 0, candidates, noise)
+    observers, loss = collect(args, run, 0, candidates, noise, dataset)
     _step(args, run, dataset)  # the reference step: its AdamW state feeds the estimate
     hyper = adam_statistics(run.optimizer, run.model, observers)
     stats = reduce_statistics(observers, args, candidates)

@@ -27,12 +27,12 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.layers import quantized_linears
+from megatron_ext.precision.observe import isolated_rng, observing
 from megatron_ext.sites import SITES, parse_site_id, site_id
 from megatron_ext.methods.snip.adam import adam_terms
 from megatron_ext.methods.snip.divergence import SiteStats
 from megatron_ext.methods.snip.stats import (BASE, PER_FORMAT, PROBE_BACKWARD, PROBE_FORWARD, SCALARS,
                                      SiteObserver)
-from megatron_ext.training import loop
 from megatron_ext.training.distributed import device
 
 PASSES = (BASE, PROBE_BACKWARD, PROBE_FORWARD)
@@ -46,17 +46,13 @@ def _sample_offsets(args, consumed: int) -> list[int]:
             for k in range(args.num_microbatches)]
 
 
-def attach(model, candidates: dict, num_layers: int, noise_scale: float
-           ) -> tuple[dict[str, SiteObserver], list]:
-    """An observer on every local site (the last layer's fc2 carries the probe noise) and the
-    forward hooks they need; returns (observers, hook handles)."""
+def make_observers(model, candidates: dict, num_layers: int, noise_scale: float
+                   ) -> dict[str, SiteObserver]:
+    """An observer on every local site (the last layer's fc2 carries the probe noise)."""
     noise_site = site_id(num_layers - 1, "fc2")
-    observers = {}
-    for sid, module in quantized_linears(model).items():
-        observers[sid] = SiteObserver(sid, module, candidates,
-                                      noise_scale if sid == noise_site else 0.0)
-        module.observer = observers[sid]
-    return observers, _layer_hooks(model, observers)
+    return {sid: SiteObserver(sid, module, candidates,
+                              noise_scale if sid == noise_site else 0.0)
+            for sid, module in quantized_linears(model).items()}
 
 
 def _layer_hooks(model, observers: dict[str, SiteObserver]) -> list:
@@ -83,36 +79,28 @@ def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
         hidden.register_hook(obs.residual_probe)
 
 
-def detach(model, handles: list) -> None:
-    for module in quantized_linears(model).values():
-        module.observer = None
-    for handle in handles:
-        handle.remove()
-
-
-def collect(args, model, dataset, consumed_samples: int, candidates: dict,
-            noise_scale: float) -> tuple[dict[str, SiteObserver], float]:
-    """Steps 1-3 on the batch at ``consumed_samples``; returns (observers, base loss)."""
-    observers, handles = attach(model, candidates, args.num_layers, noise_scale)
-    linears = quantized_linears(model)
+def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: float,
+            dataset=None) -> tuple[dict[str, SiteObserver], float]:
+    """Steps 1-3 on the batch at ``consumed_samples`` of ``dataset`` (default: training's)
+    as observed passes through ``run.replay``, one isolated RNG stream for the three;
+    returns (observers, base loss)."""
+    observers = make_observers(run.model, candidates, args.num_layers, noise_scale)
+    handles = _layer_hooks(run.model, observers)
     loss = float("nan")
     try:
-        gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=gpus):  # SR draws must not shift training's RNG
-            torch.manual_seed(args.seed + consumed_samples)
+        with isolated_rng(args.seed + consumed_samples), \
+                observing(run.model, observers) as linears:
             for mode in PASSES:
                 for obs in observers.values():
                     obs.begin_pass(mode, _sample_offsets(args, consumed_samples),
                                    args.micro_batch_size)
-                iterator = loop.data_iterators(args, dataset, consumed_samples, len(model))
-                result = loop.run_schedule(args, model, iterator, forward_only=False)
+                result = run.replay(consumed_samples, dataset)
                 loss = result if mode == BASE else loss
                 for sid, obs in observers.items():
                     obs.end_pass(linears[sid].weight)
-                for chunk in model:
-                    chunk.zero_grad_buffer()
     finally:
-        detach(model, handles)
+        for handle in handles:
+            handle.remove()
     return observers, loss
 
 

@@ -89,7 +89,7 @@ def request(family: str, argv, provider) -> DryRunRequest | None:
     return DryRunRequest(world, raw.bf16)
 
 
-def run(args, req: DryRunRequest):
+def run(args, req: DryRunRequest, extensions=()):
     """Build, estimate, solve, report (module docstring); returns the ``DryRunReport``."""
     from megatron_ext.training.distributed import resolve_launch
     from megatron_ext.training.dry_run.assemble import assemble

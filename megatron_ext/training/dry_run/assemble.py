@@ -35,8 +35,9 @@ def current_plan(args, choice: dict[str, str], budget: float):
     """The plan the times assume: None without precision flags; for ``--precision snip`` the
     ILP's plan; for a policy that needs training to decide (SNIP's baselines) the ILP's plan
     at the same budget stands in; else the flags' plan."""
+    from megatron_ext.precision.controller import Overlay, compose
     from megatron_ext.precision.plan import load_plan
-    from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec
+    from megatron_ext.precision.policies import kept_layer_sites, make_plan
 
     spec = getattr(args, "precision", None)
     if not (spec or getattr(args, "precision_plan", None)):
@@ -44,11 +45,13 @@ def current_plan(args, choice: dict[str, str], budget: float):
     if spec and spec.partition(":")[0] == "snip":
         return plan_from_choice(choice, budget)
     try:
-        plan = plan_from_spec(spec, args.num_layers) if spec else load_plan(args.precision_plan)
+        plan = make_plan(spec, args) if spec else load_plan(args.precision_plan)
     except ValueError:  # validated by its extension, so a policy only a training run can run
         return plan_from_choice(choice, budget).replace(
             method=f"{spec}: stood in for by the SNIP ILP plan at budget {budget:g}")
-    return keep_layers_bf16(plan, args.keep_first_last_layers_bf16, args.num_layers)
+    keep = args.keep_first_last_layers_bf16
+    return compose(plan, [Overlay("precision", f"keep{keep}bf16",
+                                  kept_layer_sites(keep, args.num_layers))])
 
 
 def _check_impl(args) -> None:

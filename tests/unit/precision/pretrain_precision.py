@@ -1,5 +1,5 @@
-"""Test launcher: the Llama entry point with the precision extension (what pretrain_llama.py
-becomes once the extension is wired in). Used by the precision tests and benchmarks."""
+"""Test launcher: the Llama entry point with the precision platform alone (no method, no
+fault handling). Used by the precision tests and benchmarks."""
 
 import sys
 

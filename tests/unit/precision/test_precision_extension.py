@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron_ext.precision.plan import load_plan
-from megatron_ext.precision.policies import keep_layers_bf16, plan_from_spec
+from megatron_ext.precision.policies import uniform_plan
 from precision_helpers import FAST, REPO, launch_precision
 
 
@@ -51,7 +51,7 @@ def test_without_precision_flags_the_run_is_megatrons(tmp_path, fp32):
 
 def test_uniform_fp4_trains_and_logs_its_flop_split(fp32, fp4):
     run_dir, stdout = fp4
-    plan = plan_from_spec("uniform:fp4", 4).replace(stage_fp4_frac=[1.0])
+    plan = uniform_plan("fp4", 4).replace(stage_fp4_frac=[1.0])
     assert f"precision: plan uniform:fp4 ({plan.hash[:12]}) | linear FLOPs FP4 100.0% FP8 " \
            "0.0% BF16 0.0%" in stdout
     first = _records(run_dir)[0]
@@ -81,7 +81,7 @@ def test_plan_is_checkpointed_and_restored(tmp_path, fp4):
 
 def test_bad_plan_flag_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "plan.json"
-    plan = keep_layers_bf16(plan_from_spec("uniform:fp8", 6), 0, 6)  # layers 4, 5: unknown
+    plan = uniform_plan("fp8", 6)  # layers 4, 5: unknown
     bad.write_text(plan.to_json())
     proc = launch_precision([*FAST, "--train-iters", 2, "--run-dir", tmp_path / "r",
                              "--precision-plan", bad], check=False)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from megatron_ext.precision.extension import _flags_plan, add_arguments
+from megatron_ext.precision.extension import PrecisionRun, add_arguments
 from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
-from megatron_ext.precision.policies import UNIFORM, keep_layers_bf16, plan_from_spec
+from megatron_ext.precision.policies import UNIFORM, uniform_plan
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.errors import UsageError
 
@@ -101,6 +101,13 @@ def _args(*argv, num_layers=4):
     return args
 
 
+def _flags_plan(args):
+    """The effective plan the flags make (base + the keep overlay), as training starts it."""
+    run = PrecisionRun()
+    run.validate(args)
+    return run.controller.effective()
+
+
 def test_flags_make_uniform_plans_with_kept_layers():
     plan = _flags_plan(_args("--precision", "uniform:fp4", "--keep-first-last-layers-bf16", "1"))
     assert plan.method == "uniform:fp4+keep1bf16"
@@ -108,8 +115,8 @@ def test_flags_make_uniform_plans_with_kept_layers():
         [UNIFORM["bf16"], UNIFORM["fp4"], UNIFORM["fp4"], UNIFORM["bf16"]]
     assert UNIFORM["fp4"].dy == "fp4_e2m1@tile128+sr"  # SNIP §6.1: stochastic rounding for dy
     assert _flags_plan(_args()) is None
-    assert keep_layers_bf16(plan_from_spec("uniform:fp8", 4), 9, 4).sites == \
-        plan_from_spec("uniform:bf16", 4).sites
+    assert _flags_plan(_args("--precision", "uniform:fp8", "--keep-first-last-layers-bf16",
+                             "9")).sites == uniform_plan("bf16", 4).sites
 
 
 def test_flag_errors_are_one_line_usage_errors(tmp_path):

@@ -4,7 +4,7 @@ guarded import. The TE execution path itself needs a GPU with TE and is not run 
 import pytest
 import torch
 
-from megatron_ext.compat import te
+from megatron_ext.precision import te
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.precision.sites import SiteFormats
 

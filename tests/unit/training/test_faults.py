@@ -4,6 +4,7 @@ check names the ranks that differ. In process where the logic is the point, thro
 pretrain_llama.py where megatron's optimizer and real checkpoints are."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from pretrain_runner import FAST_ARGS, launch, read_metrics
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.errors import UsageError
-from megatron_ext.extension import args_provider
+from megatron_ext.extension import Extension, args_provider
+from megatron_ext.training import loop
 from megatron_ext.training.faults import (FaultHandler, desync_message, guarded_step,
                                           local_grads_finite, save_fingerprint)
 from megatron_ext.training.loop import TrainState
@@ -92,19 +94,20 @@ def test_fp16_loss_scaling_is_left_to_megatron():
 def test_skips_are_counted_reported_and_stop_the_run():
     calls = []
 
-    def fallback(args, model, state):
+    def fallback(args, run, state):
         calls.append(state.iteration)
         return {"fallback_sites": 2}
 
-    handler = FaultHandler([fallback])
+    handler = FaultHandler()
+    extensions = [handler.extension(), Extension("fallback", on_nonfinite=fallback)]
     args = _args(["--max-skipped-steps", "3"], handler=handler)
-    state, records = TrainState(), []
+    state, records, run = TrainState(), [], SimpleNamespace(step_result={})
     with pytest.raises(UsageError) as error:
         for skipped in (True, True, False, True, True, True):
             state.iteration += 1
-            records.append(handler.after_step(args, [], state, {"skipped": skipped,
-                                                                "loss": math.nan}))
-            handler.should_stop(state)
+            run.step_result = {"skipped": skipped, "loss": math.nan}
+            records.append(loop._after_step(args, run, state, extensions))  # as the loop does
+            loop._should_stop(args, run, state, extensions)
     assert state.iteration == 6
     assert str(error.value) == ("training stopped: 3 steps in a row (steps 4-6) had a "
                                 "non-finite loss or gradients and were skipped "

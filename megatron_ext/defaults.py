@@ -1,0 +1,28 @@
+"""The composition root: every extension a full run has, in hook order.
+
+``pretrain_llama.py`` / ``pretrain_gpt.py`` call ``main(family, extensions=default_extensions())``.
+Faults come first (they count a skipped step before methods react to it), the methods next,
+the precision platform last (it commits the plan changes methods made in a hook, at the step
+boundary that follows). A new method adds one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_ext.extension import Extension
+
+
+def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
+    """Faults, every method, then the ``extra`` ones, then the precision platform. Methods
+    are factories ``make(controller) -> Extension`` sharing one plan controller with the
+    platform (``extra`` too: a method kept outside the package, a test's)."""
+    from megatron_ext.methods.snip.extension import snip_extension
+    from megatron_ext.precision.controller import PlanController
+    from megatron_ext.precision.extension import PrecisionRun, precision_extension
+    from megatron_ext.training.faults import FaultHandler
+
+    controller = PlanController()
+    methods = [snip_extension, *extra]
+    return [FaultHandler().extension(), *(make(controller) for make in methods),
+            precision_extension(PrecisionRun(controller))]

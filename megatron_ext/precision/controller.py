@@ -1,0 +1,151 @@
+"""The plan controller: the plan in force = a base plan + ordered overlays, changed at step
+boundaries only, identical on every rank.
+
+Several methods may change a run's precision: a policy makes the **base plan** (a SNIP refresh
+replaces it), and **overlays** change sites on top of it — ``--keep-first-last-layers-bf16``,
+GNMR's promotions, a fallback after a non-finite step. Each overlay is owned by a named
+extension and has a rule:
+
+* ``set`` — its formats replace the site's;
+* ``raise`` — each GEMM operand keeps the higher precision of the two (more effective bits;
+  ``"none"``, no quantization, is highest), so an overlay never lowers a site the base
+  already holds high: promotions compose with any base.
+
+The effective plan is ``overlay_n(...overlay_1(base))`` in the order overlays were first set.
+Methods call :meth:`PlanController.set_base` / :meth:`~PlanController.set_overlay` whenever
+they like; nothing reaches the model until :meth:`~PlanController.commit`, which the precision
+extension calls before every step (the same step on every rank), so a SNIP refresh can no
+longer silently undo another method's change: it replaces the base, the overlays stay. The
+base, the overlays and their owners are checkpoint state, restored exactly on resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ext.formats import get_format
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.sites import OPERANDS, ROLES
+
+RULES = ("set", "raise")
+"""How an overlay combines with the plan beneath it."""
+
+
+def _precision(name: str) -> float:
+    """Effective bits of a format name; no quantization ranks highest."""
+    return float("inf") if name == PASSTHROUGH else get_format(name).effective_bits
+
+
+def _higher(a: str, b: str) -> str:
+    return b if _precision(b) > _precision(a) else a
+
+
+def raise_formats(below: SiteFormats, above: SiteFormats) -> SiteFormats:
+    """Each operand of ``below`` lifted to ``above``'s where that is higher precision."""
+    roles = {r: _higher(getattr(below, r), getattr(above, r)) for r in ROLES}
+    overrides = {}
+    for op in OPERANDS:
+        gemm, role = op.split(".")
+        lifted = _higher(below.operand(gemm, role), above.operand(gemm, role))
+        if lifted != roles[role]:
+            overrides[op] = lifted
+    return SiteFormats(**roles, overrides=tuple(overrides.items()))
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Site formats one extension lays over the base plan."""
+
+    owner: str
+    """The extension that owns it (``precision``, ``gnmr``, ``faults`` ...)."""
+    name: str
+    """Its name within the owner (``keep-first-last``, ``promotions`` ...)."""
+    sites: dict[str, SiteFormats] = field(default_factory=dict)
+    """Site id -> the formats it sets or raises to."""
+    rule: str = "set"
+    """``set`` or ``raise`` (module docstring)."""
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"overlay rule must be one of {RULES}, got {self.rule!r}")
+
+    def over(self, sites: dict[str, SiteFormats]) -> dict[str, SiteFormats]:
+        out = dict(sites)
+        for sid, formats in self.sites.items():
+            below = out.get(sid, SiteFormats())
+            out[sid] = formats if self.rule == "set" else raise_formats(below, formats)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"owner": self.owner, "name": self.name, "rule": self.rule,
+                "sites": {sid: f.to_dict() for sid, f in self.sites.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Overlay":
+        sites = {sid: SiteFormats.from_dict(f) for sid, f in data["sites"].items()}
+        return cls(data["owner"], data["name"], sites, data["rule"])
+
+
+def compose(base: PrecisionPlan, overlays: list[Overlay]) -> PrecisionPlan:
+    """The effective plan; its method names the base and every non-empty overlay."""
+    sites, method = dict(base.sites), base.method
+    for overlay in overlays:
+        if overlay.sites:
+            sites = overlay.over(sites)
+            method += f"+{overlay.name}"
+    return base.replace(sites=sites, method=method)
+
+
+class PlanController:
+    """One run's base plan and overlays; :meth:`commit` makes them the plan in force."""
+
+    def __init__(self):
+        self.base: PrecisionPlan | None = None
+        """The plan a policy made (None: the run has no precision plan)."""
+        self.overlays: dict[tuple[str, str], Overlay] = {}
+        """(owner, name) -> overlay, in the order they were first set."""
+        self.applied: PrecisionPlan | None = None
+        """The effective plan the model runs now (set by :meth:`commit`)."""
+
+    def set_base(self, plan: PrecisionPlan) -> None:
+        self.base = plan
+
+    def set_overlay(self, owner: str, name: str, sites: dict[str, SiteFormats],
+                    rule: str = "set") -> None:
+        """Lay (or replace) ``owner``'s overlay ``name``; empty ``sites`` keeps its place."""
+        self.overlays[(owner, name)] = Overlay(owner, name, dict(sites), rule)
+
+    def overlay(self, owner: str, name: str) -> Overlay | None:
+        return self.overlays.get((owner, name))
+
+    def effective(self) -> PrecisionPlan | None:
+        if self.base is None:
+            return None
+        return compose(self.base, list(self.overlays.values()))
+
+    def changes(self) -> list[str] | None:
+        """Sites whose formats the next commit changes ([] if only the plan's metadata does),
+        or None if the plan in force stays as it is."""
+        plan = self.effective()
+        if plan is None:
+            return None
+        if self.applied is None:
+            return sorted(plan.sites)
+        if plan.replace(stage_fp4_frac=self.applied.stage_fp4_frac) == self.applied:
+            return None
+        return sorted(sid for sid in set(plan.sites) | set(self.applied.sites)
+                      if plan.formats(sid) != self.applied.formats(sid))
+
+    def state_dict(self) -> dict:
+        return {"base": self.base.to_dict() if self.base else None,
+                "overlays": [o.to_dict() for o in self.overlays.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "plan" in state:  # checkpoints written before the controller: one plan, no overlays
+            state = {"base": state["plan"], "overlays": []}
+        self.base = PrecisionPlan.from_dict(state["base"]) if state["base"] else None
+        self.overlays = {}
+        for data in state["overlays"]:
+            overlay = Overlay.from_dict(data)
+            self.overlays[(overlay.owner, overlay.name)] = overlay
