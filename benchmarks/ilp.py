@@ -40,7 +40,7 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from megatron_ext.methods.snip.ilp import SolverConfig, solve
-from megatron_ext.methods.snip.model import stage_time_bound
+from megatron_ext.methods.snip.ilp_arrays import stage_time_bound
 from megatron_ext.methods.snip.problem import Problem
 from megatron_ext.methods.snip.synthetic import synthetic_problem
 

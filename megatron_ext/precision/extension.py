@@ -13,7 +13,7 @@ nothing (megatron's own linears, bit for bit). With one:
    applied on every rank, its hash all-gathered (every rank must hold the same plan), the FLOP
    split printed on rank 0 and the plan written to ``<run dir>/precision_plan.json``;
 5. ``on_step`` adds the FLOP fractions, the plan hash and, on a step that switched plans, the
-   number of changed sites to the step's metrics.
+   list of changed sites to the step's metrics.
 
 On ``--load`` the checkpoint's base plan and overlays replace the flags' (they are training
 state, like the LR schedule) unless ``--override-precision-plan`` is given.
@@ -141,7 +141,7 @@ class PrecisionRun:
             return None
         metrics = {**self.report.metrics(), "precision_plan": self.controller.applied.hash[:12]}
         if self.changed:
-            metrics["precision_changed_sites"] = len(self.changed)
+            metrics["precision_changed_sites"] = self.changed
         self.changed = None
         return metrics
 

@@ -3,7 +3,7 @@ quality loss under an FP4 FLOP budget.
 
 * :mod:`.problem` — the ILP's input as plain data (sites, options, stages; JSON);
 * :mod:`.ilp` — the ILP (eq. 1-5 and a per-stage time cap) and :func:`solve`; helped by
-  :mod:`.model` (arrays, pruning, blocks), :mod:`.incumbent` (starting plans) and
+  :mod:`.ilp_arrays` (arrays, pruning, blocks), :mod:`.incumbent` (starting plans) and
   :mod:`.highs` (HiGHS glue);
 * :mod:`.synthetic` — Llama-shaped problems with random quality losses (tests, benchmarks).
 

@@ -1,7 +1,7 @@
 """One block of the ILP through HiGHS (``highspy``): options, model, start, outcome.
 
 The block's matrix goes over in a single ``passModel`` call (column-wise, built with numpy
-by :func:`~megatron_ext.methods.snip.model.csc`); a starting plan goes over with ``setSolution``,
+by :func:`~megatron_ext.methods.snip.ilp_arrays.csc`); a starting plan goes over with ``setSolution``,
 and then HiGHS's own primal heuristics are switched off (with a good start they cost more
 than they find on these knapsacks). Row and integrality tolerances are
 :data:`~megatron_ext.methods.snip.incumbent.TOL`, so a plan HiGHS accepts meets every row to 1e-9
@@ -19,7 +19,7 @@ import highspy
 import numpy as np
 
 from megatron_ext.methods.snip.incumbent import TOL
-from megatron_ext.methods.snip.model import Block, csc
+from megatron_ext.methods.snip.ilp_arrays import Block, csc
 
 _QUIET_HEURISTICS = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False,
                      "mip_heuristic_run_rens": False,

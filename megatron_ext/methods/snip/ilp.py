@@ -41,12 +41,12 @@ linear-layer FLOPs to reach. Pipeline stages ``k = 0..K-1`` add one row each
 
 How it is solved
 ----------------
-1. **Dominance pruning** (:func:`~megatron_ext.methods.snip.model.dominated`): option ``a`` of a
+1. **Dominance pruning** (:func:`~megatron_ext.methods.snip.ilp_arrays.dominated`): option ``a`` of a
    site is dropped when another option ``b`` of the same site has ``q_b <= q_a``,
    ``f_b >= f_a`` (and ``t_b <= t_a`` in time mode). Every row is monotone in ``f`` and
    ``t``, so swapping ``a`` for ``b`` in a feasible plan keeps it feasible at no higher
    cost: the optimum is unchanged. (Options equal in all three: the first is kept.)
-2. **Blocks** (:func:`~megatron_ext.methods.snip.model.blocks`): in paper mode every stage is its
+2. **Blocks** (:func:`~megatron_ext.methods.snip.ilp_arrays.blocks`): in paper mode every stage is its
    own MIP (eq. 5 rows touch disjoint sites and imply eq. 2); other modes are one MIP.
 3. **Starting plan** per block (:mod:`megatron_ext.methods.snip.incumbent`): the cheaper feasible
    one of the warm start (the previous refresh's plan, ``site -> option name``; a pruned
@@ -77,7 +77,7 @@ import numpy as np
 
 from megatron_ext.methods.snip import incumbent
 from megatron_ext.methods.snip.highs import BlockResult, run_highs
-from megatron_ext.methods.snip.model import (
+from megatron_ext.methods.snip.ilp_arrays import (
     Block,
     Tables,
     blocks,

@@ -1,7 +1,7 @@
 """Starting plans for the ILP: a good feasible plan up front lets HiGHS cut the search by
 bound at once, so most of its work is proving optimality rather than finding a plan.
 
-A plan of a :class:`~megatron_ext.methods.snip.model.Block` is ``pick``: one block column per block
+A plan of a :class:`~megatron_ext.methods.snip.ilp_arrays.Block` is ``pick``: one block column per block
 site (sites in ascending order). Two constructions; either way HiGHS proves (or improves)
 the result:
 
@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from megatron_ext.methods.snip.model import Block
+from megatron_ext.methods.snip.ilp_arrays import Block
 
 MAX_CELLS = 1 << 22
 """Largest sites x units table the knapsack keeps (8 bytes a cell)."""

@@ -9,7 +9,7 @@ solutions:
   0`` (the least Q, normally all FP8). Each point gets its FP4 fraction ``f``, quality loss
   ``Q`` (the objective) and step-time saving ``1 − max_k T_k / max_k T8_k``: ``T_k`` the
   plan's stage time (option times + fixed time, as in plan.json), ``T8_k`` the all-FP8 one
-  (:func:`megatron_ext.methods.snip.model.stage_time_bound` at ``E_t = 0``). Optimal solves make
+  (:func:`megatron_ext.methods.snip.ilp_arrays.stage_time_bound` at ``E_t = 0``). Optimal solves make
   ``Q`` non-decreasing in ``E_t`` (a plan feasible at a higher budget is feasible at a
   lower one).
 * **Knee** — with points sorted by budget (anchor first, fallback plans left out), the
@@ -45,7 +45,7 @@ from megatron_ext.sites import ROLES
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.methods.snip.divergence import divergences
 from megatron_ext.methods.snip.ilp import STATUSES, Solution, SolverConfig, solve
-from megatron_ext.methods.snip.model import stage_time_bound
+from megatron_ext.methods.snip.ilp_arrays import stage_time_bound
 from megatron_ext.methods.snip.offline import Planning
 from megatron_ext.methods.snip.problem import Problem
 from megatron_ext.training.dry_run import estimates

@@ -1,7 +1,7 @@
 """Independent references for the SNIP ILP tests: random problems, brute force, scipy.
 
 Nothing here imports the solver's model code: the rows are written out again from the
-formulas in docs/snip.md, so a mistake in ``megatron_ext.methods.snip.model`` cannot hide.
+formulas in docs/snip.md, so a mistake in ``megatron_ext.methods.snip.ilp_arrays`` cannot hide.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def test_resume_between_refresh_and_apply_reproduces_the_run(tmp_path):
     (["--snip-budget", "1.5"], "--snip-budget"),
     (["--snip-candidates", "fp8,nope"], "--snip-candidates"),
     (["--snip-apply-lag", "0"], "--snip-apply-lag"),
-    (["--keep-first-last-layers-bf16", "1"], "chooses every site itself"),
+    (["--precision-plan", "plan.json"], "exclude each other"),
 ])
 def test_bad_snip_flags_are_one_line_errors(flags, message):
     proc = launch([*FAST_ARGS, "--precision", "snip", *flags, "--train-iters", "2",

@@ -1,0 +1,70 @@
+"""The plan controller: overlays compose over any base in order, ``raise`` never lowers an
+operand, changes are reported by site, state round-trips exactly (checkpoint resume)."""
+
+import pytest
+
+from megatron_ext.precision.controller import Overlay, PlanController, compose, raise_formats
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.policies import UNIFORM, uniform_plan
+from megatron_ext.precision.sites import SiteFormats
+
+FP4, FP8, BF16 = UNIFORM["fp4"], UNIFORM["fp8"], UNIFORM["bf16"]
+
+
+def test_raise_takes_the_higher_precision_of_each_operand():
+    mixed = SiteFormats("fp4_e2m1@tile128", "bf16", "fp8_e4m3@tile128")
+    assert raise_formats(mixed, FP8) == SiteFormats(FP8.x, "bf16", FP8.dy)
+    assert raise_formats(BF16, FP8) == BF16  # a site already high stays high
+    assert raise_formats(FP4, SiteFormats()) == SiteFormats()  # "none" is highest
+    lifted = raise_formats(SiteFormats(*FP8.to_dict().values(), overrides=(("wgrad.x", "bf16"),)),
+                           FP4)
+    assert lifted.operand("wgrad", "x") == "bf16" and lifted.x == FP8.x
+
+
+def test_overlays_compose_in_order_over_the_base():
+    base = uniform_plan("fp4", 2)
+    keep = Overlay("precision", "keep1bf16", {"L0.qkv": BF16, "L1.fc2": BF16})
+    promote = Overlay("gnmr", "promotions", {"L0.qkv": FP8, "L1.proj": FP8}, rule="raise")
+    plan = compose(base, [keep, promote])
+    assert plan.method == "uniform:fp4+keep1bf16+promotions"
+    assert plan.formats("L0.qkv") == BF16  # raised to FP8 would lower BF16: stays
+    assert plan.formats("L1.proj") == FP8 and plan.formats("L1.fc2") == BF16
+    assert plan.formats("L0.fc1") == FP4
+    set_after = compose(base, [promote, Overlay("faults", "fallback", {"L1.proj": FP4})])
+    assert set_after.formats("L1.proj") == FP4  # "set" replaces whatever lies beneath
+    assert compose(base, [Overlay("x", "empty", {})]).method == "uniform:fp4"
+
+
+def test_a_new_base_keeps_the_overlays():
+    ctl = PlanController()
+    ctl.set_base(uniform_plan("fp8", 2))
+    ctl.set_overlay("gnmr", "promotions", {"L1.fc1": BF16}, rule="raise")
+    assert ctl.changes() == sorted(uniform_plan("fp8", 2).sites)  # nothing applied yet
+    ctl.applied = ctl.effective()
+    assert ctl.changes() is None
+    ctl.set_base(uniform_plan("fp4", 2).replace(method="snip"))  # a SNIP refresh
+    plan = ctl.effective()
+    assert plan.formats("L1.fc1") == BF16 and plan.formats("L0.fc1") == FP4
+    assert "L1.fc1" not in ctl.changes() and "L0.fc1" in ctl.changes()
+    ctl.applied = plan.replace(stage_fp4_frac=[0.9])  # the commit fills in stage fractions
+    assert ctl.changes() is None
+
+
+def test_state_round_trips_exactly():
+    ctl = PlanController()
+    ctl.set_base(PrecisionPlan({"L0.qkv": FP4}, method="snip", step=40, budget=0.5))
+    ctl.set_overlay("precision", "keep1bf16", {"L0.fc2": BF16})
+    ctl.set_overlay("gnmr", "promotions", {"L0.qkv": FP8}, rule="raise")
+    restored = PlanController()
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.state_dict() == ctl.state_dict()
+    assert list(restored.overlays) == [("precision", "keep1bf16"), ("gnmr", "promotions")]
+    assert restored.effective() == ctl.effective()
+    old = PlanController()  # a checkpoint written before the controller: {"plan": ...}
+    old.load_state_dict({"plan": uniform_plan("fp8", 1).to_dict()})
+    assert old.effective() == uniform_plan("fp8", 1) and not old.overlays
+
+
+def test_bad_rule_is_refused():
+    with pytest.raises(ValueError, match="overlay rule"):
+        Overlay("x", "y", {}, rule="lower")
