@@ -44,7 +44,8 @@ from megatron.core.enums import Fp4Recipe, Fp8Recipe
 
 from megatron_ext.formats import get_format
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import PASSTHROUGH, ROLES, SITES, SiteFormats, parse_site_id, site_id
+from megatron_ext.precision.sites import (PASSTHROUGH, ROLES, SITES, SiteFormats, parse_site_id,
+                                          site_id)
 
 MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
            "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
@@ -114,14 +115,19 @@ quantizer factory importable on the training machine)."""
 _BY_KEY = {r.key: r for r in (HIGH_PRECISION, *RECIPES)}
 
 
+def _fmt(name: str):
+    """The :class:`~megatron_ext.formats.Format` of a name; ``None`` for ``none``."""
+    return None if name == PASSTHROUGH else get_format(name)
+
+
 def _unquantized(name: str) -> bool:
-    return name == PASSTHROUGH or get_format(name) == get_format("bf16")
+    return _fmt(name) in (None, get_format("bf16"))
 
 
 def _changed_overrides(formats: SiteFormats) -> dict[str, str]:
     """The per-GEMM overrides that give an operand another format than its role's."""
     return {op: fmt for op, fmt in formats.overrides
-            if get_format(fmt) != get_format(getattr(formats, op.split(".")[1]))}
+            if _fmt(fmt) != _fmt(getattr(formats, op.split(".")[1]))}
 
 
 def recipe_for(formats: SiteFormats) -> TERecipe | None:
@@ -157,7 +163,11 @@ def why_not(formats: SiteFormats) -> str:
             how = f"{', '.join(sr)} stochastically, {near} to nearest" if sr else \
                 "every operand to nearest"
             return f"rounding: TE's {recipe.te_recipe} rounds {how}"
-    return "no TE recipe takes these formats (one recipe fixes x, w and dy together)"
+    bits = sorted({f.bits for f in map(get_format, names.values())})
+    if len(bits) > 1:
+        return (f"mixes {'- and '.join(map(str, bits))}-bit operands: a TE recipe quantizes "
+                "x, w and dy to one width")
+    return "no TE recipe has these formats (the recipes: docs/export_plan.md)"
 
 
 def module_path(layer_in_chunk: int, site: str) -> str:
@@ -244,15 +254,22 @@ def export_plan(plan: PrecisionPlan, num_layers: int | None = None,
         sharing[paths[sid]].append(sid)
     sites = []
     for sid in sids:
-        keys = {wanted[other] for other in sharing[paths[sid]]}
-        config = keys.pop() if len(keys) == 1 else HIGH_PRECISION.key
-        reason = reasons[sid]
-        if not reason and config != wanted[sid]:
-            others = [o for o in sharing[paths[sid]] if wanted[o] != wanted[sid]]
-            reason = (f"planned unlike {', '.join(others)}, which has the same module path "
-                      f"{paths[sid]} in another pipeline chunk (megatron matches by path)")
-        sites.append(SiteExport(sid, plan.formats(sid), paths[sid], config, reason))
+        config, reason = _shared_config(sid, sharing[paths[sid]], wanted)
+        sites.append(SiteExport(sid, plan.formats(sid), paths[sid], config,
+                                reasons[sid] or reason))
     return RecipeExport(plan, chunk, tuple(sites))
+
+
+def _shared_config(sid: str, sharing: list[str], wanted: dict[str, str]) -> tuple[str, str]:
+    """The config of the module path ``sid`` shares with the sites ``sharing`` (itself
+    included): the one they all want, else BF16; and why ``sid`` does not get its own."""
+    keys = {wanted[other] for other in sharing}
+    config = keys.pop() if len(keys) == 1 else HIGH_PRECISION.key
+    if config == wanted[sid]:
+        return config, ""
+    others = ", ".join(o for o in sharing if wanted[o] != wanted[sid])
+    return config, (f"planned unlike {others}, which has the same module path in another "
+                    "pipeline chunk (megatron matches recipes by path)")
 
 
 def _describe(formats: SiteFormats) -> str:
