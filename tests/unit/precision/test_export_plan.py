@@ -27,9 +27,10 @@ from megatron_ext.precision.sites import SITES, SiteFormats, site_id
 
 from precision_helpers import REPO, megatron_world  # noqa: F401  (fixture)
 
-spec = importlib.util.spec_from_file_location("_export_plan_tool", REPO / "tools" / "export_plan.py")
-TOOL = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(TOOL)
+_SPEC = importlib.util.spec_from_file_location("_export_plan_tool",
+                                               REPO / "tools" / "export_plan.py")
+TOOL = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(TOOL)
 
 BF16 = "bf16"
 TENSOR, TENSOR_HYBRID = ("tensorwise", "e4m3", None), ("tensorwise", "hybrid", None)
