@@ -218,7 +218,9 @@ class RecipeExport:
 
     def to_yaml(self) -> str:
         """:meth:`to_dict` as YAML (matcher order kept), :func:`report` as a comment on top."""
-        header = "".join(f"# {line}\n" for line in report(self))
+        # split first: a line break in the plan's method must not end the comment
+        lines = [part for line in report(self) for part in line.splitlines()]
+        header = "".join(f"# {line}\n" for line in lines)
         return header + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 

@@ -212,6 +212,12 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     assert out.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["recipe.yaml"]
 
 
+def test_the_header_stays_a_comment(tmp_path):
+    plan = uniform_plan("fp8", 1).replace(method="x\nmatchers: {}")
+    write_recipe(export_plan(plan), str(tmp_path / "r.yaml"))
+    assert len(RecipeConfig.from_yaml_file(str(tmp_path / "r.yaml")).matchers) == 5
+
+
 @pytest.fixture
 def plan_file(tmp_path):
     path = tmp_path / "plan.json"
