@@ -23,18 +23,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.training.errors import UsageError, run_cli  # noqa: E402
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one ``error:`` line (raised, so ``main`` returns 2)."""
-
-    def error(self, message):
-        raise UsageError(message)
+from megatron_ext.errors import OneLineParser, UsageError, run_cli  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="export_plan.py", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="export_plan.py", description=__doc__.split("\n\n")[0],
                 epilog="Mapping, limits and how to run the recipe: docs/export_plan.md")
     p.add_argument("--plan", required=True, metavar="PLAN.json",
                    help="a PrecisionPlan JSON file (e.g. <run dir>/precision_plan.json)")

@@ -29,7 +29,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.methods.snip import cli_args  # noqa: E402
-from megatron_ext.errors import UsageError, run_cli  # noqa: E402
+from megatron_ext.errors import OneLineParser, UsageError, run_cli  # noqa: E402
 
 DEFAULT_BUDGETS = (0.25, 0.5, 0.75, 0.8, 0.9)
 """--budgets when neither it nor --stage-budgets is given."""
@@ -37,15 +37,8 @@ STAGES_LABEL = "stages"
 """Label (and --explain value) of the per-stage-budget plan."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one ``error:`` line (raised, so ``main`` returns 2)."""
-
-    def error(self, message):
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tune_precision.py", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="tune_precision.py", description=__doc__.split("\n\n")[0],
                 epilog="Flags, outputs, definitions and an example: docs/tune_precision.md")
     p.add_argument("--stats", required=True, metavar="PATH",
                    help="a refresh's stats.json, or a run directory (its latest "

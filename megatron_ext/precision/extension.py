@@ -97,9 +97,8 @@ class PrecisionRun:
         plan = flags_plan(args)
         if plan is not None:
             self.controller.set_base(plan)
-            keep = args.keep_first_last_layers_bf16
-            self.controller.set_overlay(OWNER, f"keep{keep}bf16",
-                                        policies.kept_layer_sites(keep, args.num_layers))
+            keep = policies.keep_overlay(args.keep_first_last_layers_bf16, args.num_layers)
+            self.controller.set_overlay(keep.owner, keep.name, keep.sites, keep.rule)
 
     def linear_classes(self, args):
         if self.controller.base is None:

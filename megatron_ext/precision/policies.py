@@ -27,6 +27,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_ext.precision.controller import Overlay
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.sites import SITES, all_site_ids, site_id
@@ -104,11 +105,12 @@ def uniform_plan(recipe: str, num_layers: int) -> PrecisionPlan:
                          method=f"uniform:{recipe}")
 
 
-def kept_layer_sites(count: int, num_layers: int) -> dict[str, SiteFormats]:
-    """``--keep-first-last-layers-bf16 count``: every site of the first and last ``count``
-    layers in BF16 (an overlay's sites)."""
+def keep_overlay(count: int, num_layers: int) -> Overlay:
+    """``--keep-first-last-layers-bf16 count``: the overlay ``precision/keep<count>bf16`` that
+    sets every site of the first and last ``count`` layers to BF16."""
     kept = [layer for layer in range(num_layers) if layer < count or layer >= num_layers - count]
-    return {site_id(layer, s): HIGH_PRECISION for layer in kept for s in SITES}
+    return Overlay("precision", f"keep{count}bf16",
+                   {site_id(layer, s): HIGH_PRECISION for layer in kept for s in SITES})
 
 
 register_policy(Policy("uniform", lambda args, arg: uniform_plan(arg, args.num_layers),

@@ -35,7 +35,6 @@ flags, so the recipe holds whether or not a global ``--fp8-format`` / ``--fp4-fo
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -43,9 +42,10 @@ import yaml
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
 
 from megatron_ext.formats import get_format
+from megatron_ext.io import write_text_atomic
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import (PASSTHROUGH, ROLES, SITES, SiteFormats, parse_site_id,
-                                          site_id)
+from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.sites import ROLES, SITES, parse_site_id, site_id
 
 MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
            "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
@@ -309,16 +309,6 @@ def report(export: RecipeExport) -> list[str]:
 
 
 def write_recipe(export: RecipeExport, path: str) -> None:
-    """Write :meth:`RecipeExport.to_yaml` to ``path`` through a temp file in the same folder
-    and ``os.replace``: ``path`` holds the old file or the whole new one, never a part."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".yaml", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(export.to_yaml())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write :meth:`RecipeExport.to_yaml` to ``path`` atomically (never a part of a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_text_atomic(path, export.to_yaml())

@@ -18,14 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_ext.errors import UsageError, run_cli
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one ``error:`` line (raised, so ``main`` returns 2)."""
-
-    def error(self, message):
-        raise UsageError(message)
+from megatron_ext.errors import OneLineParser, UsageError, run_cli
 
 
 def _positive_int(text: str) -> int:
@@ -112,7 +105,7 @@ def _add_loss(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="plot_precision.py",
+    parser = OneLineParser(prog="plot_precision.py",
                      description="Plots of precision plans, their refreshes, SNIP divergences "
                                  "and loss curves (PNG, no display needed).",
                      epilog="Examples and input formats: docs/plots.md")

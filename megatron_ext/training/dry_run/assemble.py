@@ -35,9 +35,9 @@ def current_plan(args, choice: dict[str, str], budget: float):
     """The plan the times assume: None without precision flags; for ``--precision snip`` the
     ILP's plan; for a policy that needs training to decide (SNIP's baselines) the ILP's plan
     at the same budget stands in; else the flags' plan."""
-    from megatron_ext.precision.controller import Overlay, compose
+    from megatron_ext.precision.controller import compose
     from megatron_ext.precision.plan import load_plan
-    from megatron_ext.precision.policies import kept_layer_sites, make_plan
+    from megatron_ext.precision.policies import keep_overlay, make_plan
 
     spec = getattr(args, "precision", None)
     if not (spec or getattr(args, "precision_plan", None)):
@@ -49,9 +49,7 @@ def current_plan(args, choice: dict[str, str], budget: float):
     except ValueError:  # validated by its extension, so a policy only a training run can run
         return plan_from_choice(choice, budget).replace(
             method=f"{spec}: stood in for by the SNIP ILP plan at budget {budget:g}")
-    keep = args.keep_first_last_layers_bf16
-    return compose(plan, [Overlay("precision", f"keep{keep}bf16",
-                                  kept_layer_sites(keep, args.num_layers))])
+    return compose(plan, [keep_overlay(args.keep_first_last_layers_bf16, args.num_layers)])
 
 
 def _check_impl(args) -> None:

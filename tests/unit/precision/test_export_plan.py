@@ -5,7 +5,7 @@ module path of a built megatron ``GPTModel`` goes through megatron's matcher and
 ``TEQuantizationParams``, and megatron's own rule (``_get_should_context_be_quantized_params``)
 says whether the module runs quantized — expected outcomes are written out by hand per test.
 Megatron's recipe -> TE constructor code is run against a mock TE to check each table row
-builds the TE recipe it names, and the table is cross-checked with ``compat/te.py``.
+builds the TE recipe it names, and the table is cross-checked with ``precision/te.py``.
 """
 
 import importlib.util
@@ -19,11 +19,13 @@ from megatron.core.extensions import transformer_engine as mcore_te
 from megatron.core.quantization.quant_config import RecipeConfig
 from megatron.core.quantization.utils import get_quant_config_or_none
 
-from megatron_ext.compat import te as compat_te
+from megatron_ext.precision import te
 from megatron_ext.precision.plan import PrecisionPlan, save_plan
-from megatron_ext.precision.policies import UNIFORM, keep_layers_bf16, uniform_plan
+from megatron_ext.precision.controller import compose
+from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
 from megatron_ext.precision.recipe_export import RECIPES, export_plan, write_recipe
-from megatron_ext.precision.sites import SITES, SiteFormats, site_id
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.sites import SITES, site_id
 
 from precision_helpers import REPO, megatron_world  # noqa: F401  (fixture)
 
@@ -99,7 +101,7 @@ def test_uniform_fp8_is_blockwise_fp8_on_every_linear(model4, tmp_path):
 
 
 def test_layers_kept_in_bf16_match_no_quantization(model4, tmp_path):
-    plan = keep_layers_bf16(uniform_plan("fp8", 4), 1, 4)
+    plan = compose(uniform_plan("fp8", 4), [keep_overlay(1, 4)])
     expected = {**_every((0, 3), BF16), **_every((1, 2), BLOCK)}
     assert _check(plan, model4, tmp_path, expected, num_layers=4).unexpressed() == []
 
@@ -162,7 +164,7 @@ def test_pipeline_split_folds_layers_onto_chunk_paths(megatron_world, tmp_path):
                     num_layers=4, layers_per_chunk=2)
     assert export.unexpressed() == []
     # keep-first-last-layers-bf16 differs between stages: L0 (bf16) and L2 (fp8) share paths
-    kept = keep_layers_bf16(uniform_plan("fp8", 4), 1, 4)
+    kept = compose(uniform_plan("fp8", 4), [keep_overlay(1, 4)])
     export = _check(kept, model2, tmp_path, _every([0, 1], BF16), num_layers=4,
                     layers_per_chunk=2)
     listed = {s.site: s.reason for s in export.unexpressed()}
@@ -196,8 +198,8 @@ def test_each_row_builds_the_te_recipe_it_names(recipe, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.key)
 def test_table_agrees_with_the_hand_written_gpu_path(recipe):
-    got = compat_te.recipe_for(SiteFormats(*recipe.formats), (10, 0))
-    if recipe.key == "fp8_blockwise_hybrid":  # TE has it; compat/te.py's table does not yet
+    got = te.recipe_for(SiteFormats(*recipe.formats), (10, 0))
+    if recipe.key == "fp8_blockwise_hybrid":  # TE has it; precision/te.py's table does not yet
         assert got is None
     else:
         assert f"{got.name}({got.fmt})" == recipe.te_recipe

@@ -19,8 +19,8 @@ from matplotlib.image import imread
 
 from megatron_ext.precision.cost import ModelShape, flop_report
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.controller import Overlay, compose
-from megatron_ext.precision.policies import UNIFORM, kept_layer_sites, uniform_plan
+from megatron_ext.precision.controller import compose
+from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
 from megatron_ext.sites import SITES, site_id
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.viz.cli import main
@@ -66,7 +66,7 @@ def _write_metrics(run: Path, offset: float) -> None:
 def inputs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("plot_inputs")
     (root / "mixed.json").write_text(_mixed_plan().to_json())
-    kept = Overlay("precision", "keep1bf16", kept_layer_sites(1, LAYERS))
+    kept = keep_overlay(1, LAYERS)
     (root / "fp4.json").write_text(compose(uniform_plan("fp4", LAYERS), [kept]).to_json())
     for step in (100, 200, 300):
         refresh = root / "run" / "snip" / f"step_{step:06d}"
