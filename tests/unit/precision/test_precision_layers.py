@@ -137,3 +137,55 @@ def test_apply_plan_sets_each_site(tiny_model):
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match="unknown site L3.qkv"):
         apply_plan(chunks, PrecisionPlan({"L3.qkv": UNIFORM["fp8"]}), args.num_layers)
+
+
+@pytest.mark.parametrize("formats", [SiteFormats(), UNIFORM["fp8"]])
+def test_operand_transforms_run_beneath_the_plan(formats):
+    """A transform's weight is what the GEMM (and the plan's quantization) sees; autograd
+    flows through the transform to the real weight."""
+    _, quant = _pair(ColumnParallelLinear, False, skip_bias_add=False)
+    _, doubled = _pair(ColumnParallelLinear, False, skip_bias_add=False)
+    with torch.no_grad():
+        doubled.weight.copy_(2.0 * quant.weight)
+    quant.formats = doubled.formats = formats
+    quant.transforms = (lambda module, x, w: (x, 2.0 * w),)
+    x, dy = torch.randn(5, 2, H), torch.randn(5, 2, F)
+    torch.manual_seed(0)
+    got = _step(quant, x, dy)
+    torch.manual_seed(0)
+    want = _step(doubled, x, dy)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], 2.0 * want[2])  # d(2w)/dw = 2
+
+
+def test_observed_pass_isolates_the_rng_and_always_detaches(tiny_model):
+    from types import SimpleNamespace
+
+    from megatron_ext.precision.observe import observed_pass
+    _, model = tiny_model
+    linears = quantized_linears(model)
+    seen = []
+
+    def observer(module, input, weight, kwargs):
+        seen.append(module.site_id)
+        return quantized_gemm(input, weight, None, resolve(SiteFormats()))
+
+    def replay(consumed):
+        torch.rand(3)  # draws inside the pass must not shift the caller's stream
+        x = torch.randn(4, 1, linears["L0.qkv"].input_size)
+        return float(linears["L0.qkv"](x)[0].sum())
+
+    before = torch.get_rng_state()
+    run = SimpleNamespace(model=model, replay=replay)
+    first = observed_pass(run, {"L0.qkv": observer}, 0, seed=7)
+    assert torch.equal(torch.get_rng_state(), before) and seen == ["L0.qkv"]
+    assert observed_pass(run, {"L0.qkv": observer}, 0, seed=7) == first  # seeded by the caller
+    assert linears["L0.qkv"].observer is None
+
+    def broken(consumed):
+        raise RuntimeError("pass failed")
+
+    with pytest.raises(RuntimeError):
+        observed_pass(SimpleNamespace(model=model, replay=broken), {"L0.qkv": observer},
+                      0, seed=7)
+    assert linears["L0.qkv"].observer is None
