@@ -18,11 +18,12 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
     platform (``extra`` too: a method kept outside the package, a test's)."""
     from megatron_ext.methods.snip.extension import snip_extension
+    from megatron_ext.methods.stquant.extension import stquant_extension
     from megatron_ext.precision.controller import PlanController
     from megatron_ext.precision.extension import PrecisionRun, precision_extension
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, *extra]
+    methods = [snip_extension, stquant_extension, *extra]
     return [FaultHandler().extension(), *(make(controller) for make in methods),
             precision_extension(PrecisionRun(controller))]
