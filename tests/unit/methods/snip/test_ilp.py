@@ -16,7 +16,7 @@ from snip_reference import (
     time_bound,
 )
 
-from megatron_ext.methods.snip import ilp, incumbent, model
+from megatron_ext.methods.snip import ilp, ilp_arrays, incumbent
 from megatron_ext.methods.snip.highs import BlockResult
 from megatron_ext.methods.snip.ilp import SolverConfig, safe_plan, solve
 from megatron_ext.methods.snip.problem import Option, Problem, Site
@@ -79,8 +79,8 @@ def test_knapsack_start_is_exact():
     for _ in range(40):
         problem = random_problem(rng, int(rng.integers(1, 7)), int(rng.integers(1, 5)), 1)
         budget = float(rng.random())
-        tab = model.tables(problem)
-        (block,) = model.blocks(problem, tab, tab.valid, budget, "none", None)
+        tab = ilp_arrays.tables(problem)
+        (block,) = ilp_arrays.blocks(problem, tab, tab.valid, budget, "none", None)
         cost = tab.q[block.site, block.option]
         pick = incumbent.knapsack(block, cost)
         expected, _ = brute_force(problem, budget, "none")
@@ -210,9 +210,9 @@ def test_time_bound_is_half_the_budget_saving_without_fixed_time():
     bare = Problem(problem.sites, problem.num_stages)
     all_fp8 = max(sum(s.options[0].time for s in bare.sites if s.stage == k) for k in (0, 1))
     for budget in (0.0, 0.3, 1.0):
-        assert model.stage_time_bound(bare, budget) == \
+        assert ilp_arrays.stage_time_bound(bare, budget) == \
             pytest.approx((1 - budget / 2) * all_fp8, rel=1e-12)
-        assert model.stage_time_bound(problem, budget) == \
+        assert ilp_arrays.stage_time_bound(problem, budget) == \
             pytest.approx(time_bound(problem, budget), rel=1e-12)
 
 
