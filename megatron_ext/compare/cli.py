@@ -4,8 +4,8 @@ Exit status 0: every job finished and ``OUT/results.json``, ``OUT/results.md`` a
 were written. 2: bad input, one ``error:`` line on stderr, nothing run or written. 1: a job
 failed (the others still ran and are kept for the next invocation); one ``error:`` line
 names the failed jobs and their logs; no results file (an earlier invocation's
-``results.json`` / ``results.md`` are removed when the jobs start, so a stale one is never
-read as this grid's).
+``results.json``, ``results.md`` and ``img/*.png`` are removed when the jobs start, so a
+stale one is never read as this grid's).
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def _run(argv: list[str]) -> None:
         dry_run(jobs)
         return
     out.mkdir(parents=True, exist_ok=True)
-    for name in RESULTS:
-        (out / name).unlink(missing_ok=True)
+    for stale in [*(out / name for name in RESULTS), *(out / "img").glob("*.png")]:
+        stale.unlink(missing_ok=True)
     failed = run_jobs(jobs, args.jobs)
     if failed:
         raise GridFailed(f"{len(failed)} of {len(jobs)} jobs failed, no results written: "

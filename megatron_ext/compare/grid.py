@@ -102,8 +102,9 @@ def parse_flags(value, where: str) -> tuple[str, ...]:
 
 
 def parse_seeds(value, where: str) -> tuple[int, ...]:
-    """Seeds from ``"1,2,3"``, ``[1, 2, 3]`` or ``1``: non-negative, distinct, at least one."""
-    items = value.split(",") if isinstance(value, str) else \
+    """Seeds from ``"1,2,3"`` (or ``"1 2 3"``), ``[1, 2, 3]`` or ``1``: non-negative,
+    distinct, at least one."""
+    items = re.split(r"[,\s]+", value.strip()) if isinstance(value, str) else \
         value if isinstance(value, list) else [value]
     try:
         seeds = tuple(int(s) if isinstance(s, str) else s for s in items)

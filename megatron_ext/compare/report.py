@@ -21,8 +21,8 @@ def _group(group: str | None) -> str:
 
 def _header(results: dict) -> list[str]:
     grid = results["grid"]
-    first = next(iter(results["runs"].values()))
-    steps = sorted({s["train_iters"] for s in first["seeds"].values()})
+    steps = sorted({s["train_iters"] for run in results["runs"].values()
+                    for s in run["seeds"].values()})
     lines = [f"# Precision comparison: {len(grid['runs'])} runs x {len(grid['seeds'])} seed(s)",
              "", f"`{grid['entry']}` with base flags `{shlex.join(grid['base_flags'])}`; seeds "
              f"{', '.join(map(str, grid['seeds']))}.",

@@ -134,13 +134,16 @@ def test_failed_job_writes_no_results(tmp_path, capsys):
     entry = tmp_path / "fails.py"
     entry.write_text("import sys\nprint('no such flag', sys.argv[1:])\nsys.exit(1)\n")
     out = tmp_path / "out"
+    (out / "img").mkdir(parents=True)
+    for stale in ("results.json", "results.md", "img/gaps.png"):  # an earlier invocation's
+        (out / stale).write_text("stale")
     assert main(["--out", str(out), "--seeds", "1,2", "--entry", str(entry), "--run",
                  "bad=--no-such-flag 1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: 2 of 2 jobs failed, no results written: bad/seed_1: "
                               "exit status 1") and "bad/seed_2" in err[-1]
     assert [line for line in err if line.startswith("error")] == [err[-1]]
-    assert not (out / "results.json").exists() and not (out / "results.md").exists()
+    assert not any((out / f).exists() for f in ("results.json", "results.md", "img/gaps.png"))
     assert "--no-such-flag" in (out / "runs" / "bad" / "seed_1" / "train.log").read_text()
 
 

@@ -73,7 +73,7 @@ def test_flag_value_takes_the_last_one():
 
 def test_command_line_replaces_and_extends_the_config():
     config = {"seeds": [1], "base_flags": "--lr 1e-3", "runs": {"x": ""}, "reference": "x"}
-    grid = build_grid(config, {"seeds": "4,5", "base_flags": "--lr 2e-3", "group_by": "lr"},
+    grid = build_grid(config, {"seeds": "4, 5", "base_flags": "--lr 2e-3", "group_by": "lr"},
                       ["y=--lr 3e-3"])
     assert grid.seeds == (4, 5) and grid.group_by == "--lr"
     assert [grid.group_of(r) for r in grid.runs] == ["2e-3", "3e-3"]
