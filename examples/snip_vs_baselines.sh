@@ -11,15 +11,20 @@
 #   bash examples/snip_vs_baselines.sh                     # 3 seeds, ~1 h per seed on 2 cores
 #   SEEDS=1234 bash examples/snip_vs_baselines.sh          # one seed
 #   JOBS=1 OUT=/tmp/sq bash examples/snip_vs_baselines.sh --base-flags="--train-iters 40"
-#   DRY_RUN=1 bash examples/snip_vs_baselines.sh           # the jobs and their commands
+#   DRY_RUN=1 bash examples/snip_vs_baselines.sh           # the layout of one SNIP run
+#   python tools/compare_precision.py --config examples/compare/snip_grid.yaml \
+#       --out runs/snip_grid --dry-run                     # the jobs and their commands
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/snip_grid}
 SEEDS=${SEEDS:-1234,1235,1236}
 IMG=${IMG:-docs/img/snip}
 GRID=(--config examples/compare/snip_grid.yaml --out "$OUT" --seeds "$SEEDS")
+# the grid's E_t = 0.75 SNIP run (its flags as in snip_grid.yaml), for DRY_RUN's layout check
+ARGS=(--model tiny --train-iters 200 --lr 1e-3 --min-lr 1e-4 --eval-interval 50 --eval-iters 10
+      --precision snip --snip-budget 0.75 --snip-start 20 --snip-interval 50 --snip-apply-lag 2)
 if [[ -n ${DRY_RUN:-} ]]; then
-    exec python tools/compare_precision.py "${GRID[@]}" --dry-run "$@"
+    exec python pretrain_llama.py "${ARGS[@]}" --seed "${SEEDS%%[, ]*}" --dry-run
 fi
 python tools/compare_precision.py "${GRID[@]}" --jobs "${JOBS:-2}" "$@"
 
