@@ -220,7 +220,7 @@ class GnmrController:
         triggered = over_alpha | over_beta
         risk = np.maximum(self._v(m.gnmr) / alpha, self._v(m.dgnmr) / beta)
         lock = np.where(triggered, self.config.lock, np.maximum(self.lock - 1, 0))
-        high = triggered | (self.high & (lock > 0))
+        high = triggered | (lock > 0)  # a lock runs only while high (the budget clears it)
         counts = {"gnmr_over_alpha": int(over_alpha.sum()),
                   "gnmr_over_beta": int(over_beta.sum())}
         header = {"step": iteration, "alpha": alpha, "beta": beta}
