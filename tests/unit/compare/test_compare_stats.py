@@ -12,7 +12,7 @@ from megatron_ext.compare.grid import Grid, RunSpec, build_grid, flag_value
 from megatron_ext.compare.jobs import RunMetrics
 from megatron_ext.compare.report import markdown
 from megatron_ext.compare.results import collect
-from megatron_ext.training.errors import UsageError
+from megatron_ext.errors import UsageError
 
 SEEDS = (1, 2, 3)
 LOSSES = {"ref": (4, 4, 4), "a": (3, 3, 3), "b": (2, 3, 4), "c": (1, 2, 3), "d": (5, 6, 7)}
