@@ -6,8 +6,8 @@ problem (SNIP §5, ``docs/snip.md``) with the run's real site shapes — the cos
 (``T = s·b``) with the padded vocabulary — its pipeline stages (megatron's split, virtual
 chunks included) and random quality losses ``q`` in place of measured statistics. ``solve``
 is then timed at ``--snip-budget`` with ``--snip-stage-balance``. Its plan — option names
-such as ``fp4:x+w`` — becomes a PrecisionPlan (roles named after ``fp4`` in FP4, the others
-in FP8: :func:`~megatron_ext.methods.snip.synthetic.option_formats`). For ``--precision
+``x=<fmt>,w=<fmt>,dy=<fmt>`` as in training, each role in the FP4 or the FP8 formats of
+``uniform:fp4`` / ``uniform:fp8`` — becomes a PrecisionPlan. For ``--precision
 snip`` and the statistics baselines (``min-abs-err``, ``min-rel-err``), whose plans only
 training can decide, that plan stands in for the run's (:func:`stand_in_plan`, their
 ``Policy.dry_run`` hook), so the precision platform's stage times are estimated from what
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from megatron_ext.extension import DryRunPart
 from megatron_ext.methods.snip.ilp import SolverConfig, solve
-from megatron_ext.methods.snip.synthetic import option_formats, synthetic_problem
+from megatron_ext.methods.snip.options import parse_option_name
+from megatron_ext.methods.snip.synthetic import synthetic_problem
 from megatron_ext.precision.cost import ModelShape, layer_stages
 from megatron_ext.precision.dry_run import micro_batch_shape
 from megatron_ext.precision.plan import PrecisionPlan
@@ -119,7 +120,7 @@ def solve_for_shape(args, shape: ModelShape) -> tuple[IlpRun, dict[str, str]]:
 
 def plan_from_choice(choice: dict[str, str], budget: float, method: str) -> PrecisionPlan:
     """The PrecisionPlan of an ILP choice (site -> option name)."""
-    sites = {site: option_formats(name) for site, name in choice.items()}
+    sites = {site: parse_option_name(name) for site, name in choice.items()}
     return PrecisionPlan(sites, method=method, budget=budget)
 
 

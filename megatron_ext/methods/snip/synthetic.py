@@ -3,14 +3,15 @@
 Used by the tests, ``benchmarks/ilp.py`` and SNIP's part of ``--dry-run``. Each site
 ``L{i}.{qkv|proj|fc1|fc2}`` runs three GEMMs of ``2·T·N·K`` FLOPs each (fprop reads x, w; dgrad
 dy, w; wgrad dy, x). An option puts a subset of the roles {x, w, dy} in FP4 and the rest in
-FP8 (the formats of ``uniform:fp4`` / ``uniform:fp8``, :func:`option_formats`); a GEMM runs in
+FP8 (the formats of ``uniform:fp4`` / ``uniform:fp8``, :func:`roles_formats`), named as in
+training (:func:`~megatron_ext.methods.snip.options.option_name`); a GEMM runs in
 FP4 only when both of its operands are FP4 (a GEMM runs at its wider operand's rate), so
 
     FP4 roles     FP4 GEMMs        fp4_flops / flops
-    none          -                0      ("fp8")
-    x, w, dy      all three        1      ("fp4")
-    two roles     the one reading  1/3    ("fp4:x+w", "fp4:w+dy", "fp4:x+dy")
-    one role      none             0      ("fp4:x", "fp4:w", "fp4:dy": dominated by "fp8")
+    none          -                0
+    x, w, dy      all three        1
+    two roles     the one reading  1/3    (x+w, w+dy, x+dy)
+    one role      none             0      (x, w, dy: dominated by none)
 
 FLOPs, times and each stage's fixed time (attention core of its layers, plus the output layer
 on the last stage, both BF16) are the cost model's (:mod:`megatron_ext.precision.cost`, at its
@@ -25,6 +26,7 @@ import dataclasses
 
 import numpy as np
 
+from megatron_ext.methods.snip import options
 from megatron_ext.methods.snip.problem import Option, Problem, Site
 from megatron_ext.precision.cost import ModelShape, site_cost, stage_fixed_seconds
 from megatron_ext.precision.policies import UNIFORM
@@ -50,16 +52,15 @@ SHAPES = {
 """Named shapes (``synthetic_problem`` replaces their layer and stage counts)."""
 
 
-def option_name(roles: tuple[str, ...]) -> str:
-    """``fp8`` / ``fp4`` / ``fp4:x+w`` ...: the option with ``roles`` in FP4."""
-    return "fp8" if not roles else "fp4" if len(roles) == len(ROLES) else "fp4:" + "+".join(roles)
+def roles_formats(fp4_roles: tuple[str, ...]) -> SiteFormats:
+    """The option with ``fp4_roles`` in FP4 and the other roles in FP8."""
+    return SiteFormats(**{r: getattr(UNIFORM["fp4" if r in fp4_roles else "fp8"], r)
+                          for r in ROLES})
 
 
-def option_formats(name: str) -> SiteFormats:
-    """``fp8`` / ``fp4`` / ``fp4:x+w`` ... -> formats: roles named in FP4, the rest FP8."""
-    fp4_roles = set(ROLES) if name == "fp4" else set(name.partition(":")[2].split("+")) - {""}
-    pick = {r: getattr(UNIFORM["fp4" if r in fp4_roles else "fp8"], r) for r in ROLES}
-    return SiteFormats(**pick)
+def option_name(fp4_roles: tuple[str, ...]) -> str:
+    """Its name: ``x=<fmt>,w=<fmt>,dy=<fmt>``, the one spelling training's plans use too."""
+    return options.option_name(roles_formats(fp4_roles))
 
 
 def stage_of_layers(num_layers: int, stages: int) -> list[int]:
@@ -76,7 +77,7 @@ def synthetic_problem(num_layers: int, sites_per_layer: int = 4, options: int = 
     :class:`~megatron_ext.precision.cost.ModelShape`, charged for its ``tokens``) split into
     ``stages`` (:func:`stage_of_layers`, or ``stage_of`` per layer); the first
     ``sites_per_layer`` sites of (qkv, proj, fc1, fc2) and the first ``options`` options of
-    (fp8, fp4, fp4:x+w, fp4:w+dy, fp4:x+dy, fp4:x, fp4:w, fp4:dy) per site."""
+    FP4 roles (none, all, x+w, w+dy, x+dy, x, w, dy) per site."""
     if not 1 <= sites_per_layer <= len(SITES):
         raise ValueError(f"sites_per_layer must be 1..{len(SITES)}, got {sites_per_layer}")
     if not 1 <= options <= len(_OPTION_ROLES):
@@ -89,7 +90,7 @@ def synthetic_problem(num_layers: int, sites_per_layer: int = 4, options: int = 
     stage_of = stage_of_layers(num_layers, stages) if stage_of is None else stage_of
     fixed = stage_fixed_seconds(shape, stage_of=stage_of)  # checks stage_of
     roles_of = _OPTION_ROLES[:options]
-    costs = {name: [site_cost(shape, name, option_formats(option_name(roles)))
+    costs = {name: [site_cost(shape, name, roles_formats(roles))
                     for roles in roles_of] for name in SITES[:sites_per_layer]}
     rng = np.random.default_rng(seed)
     sites = []

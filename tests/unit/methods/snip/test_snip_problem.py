@@ -12,7 +12,9 @@ import pytest
 
 from megatron_ext.methods.snip.ilp import solve
 from megatron_ext.methods.snip.problem import Option, Problem, Site
-from megatron_ext.methods.snip.synthetic import option_formats, synthetic_problem
+from megatron_ext.methods.snip.options import parse_option_name
+from megatron_ext.methods.snip.synthetic import option_name, roles_formats, synthetic_problem
+from megatron_ext.sites import ROLES
 
 REPO = Path(__file__).resolve().parents[4]
 TOOL = REPO / "tools" / "snip_analyze.py"
@@ -51,11 +53,14 @@ def test_small_problem_defaults():
 
 
 def test_snip_options_map_to_fp4_roles():
-    formats = option_formats("fp4:x+w")
+    formats = roles_formats(("x", "w"))
     assert (formats.x, formats.w, formats.dy) == ("fp4_e2m1@tile128", "fp4_e2m1@block128",
                                                   "fp8_e4m3@tile128")
-    assert option_formats("fp8").dy == "fp8_e4m3@tile128"
-    assert option_formats("fp4").dy == "fp4_e2m1@tile128+sr"
+    assert roles_formats(()).dy == "fp8_e4m3@tile128"
+    assert roles_formats(ROLES).dy == "fp4_e2m1@tile128+sr"
+    assert option_name(("x", "w")) == ("x=fp4_e2m1@tile128,w=fp4_e2m1@block128,"
+                                       "dy=fp8_e4m3@tile128")  # the spelling training uses
+    assert parse_option_name(option_name(("x", "w"))) == formats
 
 
 def test_synthetic_costs_are_the_closed_form():
@@ -65,7 +70,8 @@ def test_synthetic_costs_are_the_closed_form():
     problem = synthetic_problem(2, stages=2, shape="tinyllama")
     gemm, rate = 2 * 2048 * 2560 * 2048, 989e12
     options = {o.name: o for o in problem.sites[0].options}
-    for name, fp4 in {"fp8": 0, "fp4": 3, "fp4:x+w": 1, "fp4:dy": 0}.items():
+    for roles, fp4 in {(): 0, ROLES: 3, ("x", "w"): 1, ("dy",): 0}.items():
+        name = option_name(roles)
         assert (options[name].fp4_flops, options[name].flops) == (fp4 * gemm, 3 * gemm)
         assert options[name].time == pytest.approx((fp4 / 4 + (3 - fp4) / 2) * gemm / rate,
                                                    rel=1e-15)
