@@ -1,0 +1,66 @@
+"""The learnable bit widths of one sampled weight (eq. 9, 10, 6) and the module tying them to
+eq. 1: what the wiring attaches to each sampled linear.
+
+**Eq. 9.** Each tile's bit width is ``b_t = b_target + b_i · (b_init - b_target)`` with the
+internal parameter ``b_i`` initialised to 1 (so b_t starts at b_init). Plain (decoupled)
+weight decay on ``b_i`` pulls it towards 0, i.e. b_t towards b_target; ``∂L/∂b_i =
+(b_init - b_target) · ∂L/∂b_t`` comes from autograd through this affine map.
+
+**Eq. 6.** ``b_t`` is clamped at the GEMM format's underflow bound (``max_bits``, see
+:func:`.sampling.underflow_bound`): above it the gradient is 0, like any clamp, so weight
+decay brings b_i back under it.
+
+**Eq. 10** (optional): ``L' = L + λ/n Σ_i |b_t^i - b_target|`` over all n tiles of all
+sampled weights (:func:`bitwidth_loss`; under pipeline parallelism each stage adds its own
+tiles' terms with the model-wide n).
+
+``b_i`` is a full tile grid (``ceil(M/32) x ceil(N/32)``, 1/1024 of the weight) replicated
+on every TP rank of the layer: its gradient arrives complete on each rank (the sampling
+backward all-reduces over the TP group), so replicas stay equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import GaussWSConfig
+from .layout import ShardLayout, all_reduce_block_amax, local_block_amax
+from .sampling import GaussSample
+
+
+class GaussWSWeight(torch.nn.Module):
+    """ŵ of one (local shard of a) weight: the b_i parameter plus the sampling call."""
+
+    def __init__(self, layout: ShardLayout, config: GaussWSConfig, device=None):
+        super().__init__()
+        self.layout = layout
+        self.b_init, self.b_target = config.b_init, config.b_target
+        self.b_i = torch.nn.Parameter(torch.ones(layout.grid_shape, device=device))
+        self.b_i.gaussws_tp_replicated = True  # full grid on every TP rank, complete grads
+
+    def bits(self, max_bits: float | None = None) -> torch.Tensor:
+        """b_t per tile (eq. 9), clamped at ``max_bits`` (eq. 6) when given."""
+        b = self.b_target + self.b_i * (self.b_init - self.b_target)
+        return b if max_bits is None else b.clamp(max=max_bits)
+
+    def forward(self, w: torch.Tensor, key: int, max_bits: float | None = None, group=None):
+        """ŵ (eq. 1) of the local weight ``w`` with the step's ``key``; ``group`` is the
+        layer's TP group when ``w`` is a shard (tile maxima and b_t gradients are reduced
+        over it)."""
+        amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)
+        return GaussSample.apply(w, self.bits(max_bits), amax, key, self.layout, group)
+
+    @torch.no_grad()
+    def stats(self) -> dict[str, float]:
+        """Mean / min / max of b_t (unclamped) for the metrics record."""
+        b = self.bits().float()
+        return {"mean": b.mean().item(), "min": b.min().item(), "max": b.max().item()}
+
+
+def bitwidth_loss(bits: list[torch.Tensor], b_target: float, lam: float,
+                  count: int | None = None) -> torch.Tensor:
+    """Eq. 10's extra term ``λ/n Σ |b_t - b_target|`` over the given b_t grids; ``count`` is
+    n when these grids are only part of the model (default: their own element count)."""
+    total = sum((b - b_target).abs().sum() for b in bits)
+    n = count if count is not None else sum(b.numel() for b in bits)
+    return lam / n * total
