@@ -124,12 +124,12 @@ def unpack(packed: torch.Tensor, col_offset: int, n_cols: int, dtype: torch.dtyp
 
 
 def noise_block(rows: torch.Tensor, col_start: int, n_cols: int, full_cols: int, key: int,
-                dtype: torch.dtype = torch.float32, generate=packed_noise) -> torch.Tensor:
+                dtype: torch.dtype = torch.float32, generate=None) -> torch.Tensor:
     """R of full-tensor rows ``rows`` x columns ``col_start .. col_start + n_cols - 1``
-    (``generate`` is :func:`packed_noise` or the Triton kernel with the same signature)."""
+    (``generate``: :func:`packed_noise` by default, or the Triton kernel)."""
     word_start = col_start // ELEMS_PER_WORD
     n_words = words_per_row(col_start + n_cols) - word_start
-    packed = generate(rows, word_start, n_words, full_cols, key)
+    packed = (generate or packed_noise)(rows, word_start, n_words, full_cols, key)
     return unpack(packed, col_start - word_start * ELEMS_PER_WORD, n_cols, dtype)
 
 

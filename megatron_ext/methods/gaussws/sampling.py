@@ -56,7 +56,7 @@ def format_mantissa_bits(name: str) -> int:
     if isinstance(element, FloatElement):
         return element.mbits
     if isinstance(element, CastElement):
-        return torch.finfo(element.dtype).nmant
+        return round(-math.log2(torch.finfo(element.dtype).eps))  # eps = 2^-m
     raise UsageError(f"eq. 6 needs a floating-point weight format, got {name}")
 
 
@@ -117,7 +117,7 @@ def noise_dot(grad: torch.Tensor, layout: ShardLayout, key: int) -> torch.Tensor
     """Σ_tile (grad ⊙ R) over this shard's part of every tile, on the full grid (float32,
     float64 for float64 ``grad``), 0 for tiles the shard does not touch."""
     dtype = _compute_dtype(grad)
-    generate = noise.packed_noise
+    generate = None
     if _use_triton(grad):
         from . import triton_kernels
 

@@ -67,7 +67,7 @@ def packed_noise(rows: torch.Tensor, word_start: int, n_words: int, full_cols: i
 def _perturb_kernel(
     w_ptr, packed_ptr, rows_ptr, scale_ptr, out_ptr, n_rows, n_cols, n_words, col_start,
     grid_cols, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    BF16: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -82,12 +82,14 @@ def _perturb_kernel(
     tile = (g_row // BLOCK)[:, None] * grid_cols + (g_col // BLOCK)[None, :]
     scale = tl.load(scale_ptr + tile, mask=mask, other=0.0)
     offs = rows64 * n_cols + c[None, :]
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = w + value * scale
-    if OUT_BF16:  # round to bfloat16 by hand (nearest-even), so the cast below is exact
+    w = tl.load(w_ptr + offs, mask=mask, other=0)
+    if BF16:  # bfloat16 <-> float32 by bits (the interpreter's casts drop subnormals)
+        w = (w.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    y = w.to(tl.float32) + value * scale
+    if BF16:  # round to nearest-even on the bits; NaN -> 0x7FC0 (torch's NaN)
         bits = y.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        y = tl.where(y == y, bits.to(tl.float32, bitcast=True), y)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        y = tl.where(y == y, rounded, 0x7FC0).to(tl.int16)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -95,6 +97,7 @@ def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int)
     """Same contract as :func:`.sampling.perturb` (float32 ``scale`` grid; ``w`` float32,
     bfloat16 or float16)."""
     w = w.contiguous()
+    bf16 = w.dtype == torch.bfloat16
     rows = layout.global_rows(w.device)
     c0, c1 = layout.col_range
     word_start = c0 // ELEMS_PER_WORD
@@ -104,8 +107,9 @@ def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int)
     block_r, block_c = 32, 64
     grid = (triton.cdiv(w.shape[0], block_r), triton.cdiv(w.shape[1], block_c))
     _perturb_kernel[grid](
-        w, packed, rows, scale.contiguous(), out, w.shape[0], w.shape[1], n_words, c0,
-        scale.shape[1], BLOCK=layout.block, BLOCK_R=block_r, BLOCK_C=block_c,
-        OUT_BF16=w.dtype == torch.bfloat16, enable_fp_fusion=False,
+        w.view(torch.int16) if bf16 else w, packed, rows, scale.contiguous(),
+        out.view(torch.int16) if bf16 else out, w.shape[0], w.shape[1], n_words, c0,
+        scale.shape[1], BLOCK=layout.block, BLOCK_R=block_r, BLOCK_C=block_c, BF16=bf16,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out
