@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .layout import ShardLayout
-from .sampling import bits_grad, block_scale, perturb
+from .sampling import bits_grad, block_scale, packed_noise, perturb
 
 
 class SampledLinear(torch.autograd.Function):
@@ -32,19 +32,21 @@ class SampledLinear(torch.autograd.Function):
         ctx.save_for_backward(x, w, scale)
         ctx.key, ctx.layout, ctx.group = key, layout, group
         ctx.has_bias, ctx.bits_dtype = bias is not None, bits.dtype
-        return torch.nn.functional.linear(x, perturb(w, scale, layout, key), bias)
+        w_hat = perturb(w, scale, layout, packed_noise(layout, key, w))
+        return torch.nn.functional.linear(x, w_hat, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, scale = ctx.saved_tensors
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        packed = packed_noise(ctx.layout, ctx.key, w)  # once, for ŵ and for eq. 3
         dx = dw = dbias = dbits = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ perturb(w, scale, ctx.layout, ctx.key)
+            dx = dy @ perturb(w, scale, ctx.layout, packed)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
             dw = dy2.t() @ x2
         if ctx.needs_input_grad[3]:
-            dbits = bits_grad(dw, scale, ctx.layout, ctx.key, ctx.group).to(ctx.bits_dtype)
+            dbits = bits_grad(dw, scale, ctx.layout, packed, ctx.group).to(ctx.bits_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = dy2.sum(0)
         return dx, dw, dbias, dbits, None, None, None, None

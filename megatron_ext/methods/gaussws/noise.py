@@ -56,21 +56,18 @@ CHUNK_WORDS = 1 << 17
 """Packed words generated per pass on the torch path (bounds its int64 temporaries)."""
 
 
-def _mul32(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit halves of ``const * x`` for x in [0, 2^32), without int64 overflow."""
-    p_lo = (x & 0xFFFF) * const  # < 2^48
-    mid = (x >> 16) * const + (p_lo >> 16)  # < 2^49
-    return mid >> 16, ((mid & 0xFFFF) << 16) | (p_lo & 0xFFFF)
-
-
 def philox4x32(c0, c1, c2, c3, key: int, rounds: int = PHILOX_ROUNDS):
     """Philox4x32 on int64 tensors holding uint32 counters; ``key`` is a 64-bit int
-    (low word k0, high word k1). Returns the four output words (int64, in [0, 2^32))."""
+    (low word k0, high word k1). Returns the four output words (int64, in [0, 2^32)).
+
+    The 32 x 32 -> 64-bit products are int64 multiplications: a product of two values below
+    2^32 fits in 64 bits, and torch's int64 multiply wraps modulo 2^64 (two's complement), so
+    the result's bits are the unsigned product's (high word: ``>> 32`` then masked)."""
     k0, k1 = key & _MASK32, (key >> 32) & _MASK32
     for _ in range(rounds):
-        hi_a, lo_a = _mul32(_ROUND_A, c0)
-        hi_b, lo_b = _mul32(_ROUND_B, c2)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        pa, pb = c0 * _ROUND_A, c2 * _ROUND_B
+        c0, c2 = ((pb >> 32) & _MASK32) ^ c1 ^ k0, ((pa >> 32) & _MASK32) ^ c3 ^ k1
+        c1, c3 = pb & _MASK32, pa & _MASK32
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
     return c0, c1, c2, c3
 

@@ -69,21 +69,36 @@ def block_scale(amax: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return amax * torch.exp2(1 - bits.detach().to(amax.dtype))
 
 
-def _use_triton(w: torch.Tensor) -> bool:
-    if not w.is_cuda or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
+def _triton_for(t: torch.Tensor):
+    """The Triton module when ``t`` is a CUDA float32/bfloat16/float16 tensor, else None."""
+    if not t.is_cuda or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
     try:
-        from . import triton_kernels  # noqa: F401
+        from . import triton_kernels
     except ImportError:  # no triton: the torch path runs on CUDA too
-        return False
-    return True
+        return None
+    return triton_kernels
 
 
-def _row_chunks(layout: ShardLayout, device):
-    rows = layout.global_rows(device)
-    step = max(1, CHUNK_ELEMS // layout.shape[1])
+def packed_noise(layout: ShardLayout, key: int, like: torch.Tensor) -> torch.Tensor:
+    """The shard's packed R (int32, local rows x the packed words covering its columns;
+    0.5 byte per element) on ``like``'s device: the Triton kernel for CUDA tensors."""
+    c0, c1 = layout.col_range
+    word_start = c0 // noise.ELEMS_PER_WORD
+    n_words = noise.words_per_row(c1) - word_start
+    kernels = _triton_for(like)
+    generate = kernels.packed_noise if kernels else noise.packed_noise
+    return generate(layout.global_rows(like.device), word_start, n_words, layout.full_shape[1], key)
+
+
+def _noise_chunks(packed: torch.Tensor, layout: ShardLayout, dtype: torch.dtype):
+    """(first local row, full row indices, R) per chunk of rows: R unpacked a chunk at a time."""
+    rows = layout.global_rows(packed.device)
+    c0, c1 = layout.col_range
+    step = max(1, CHUNK_ELEMS // (c1 - c0))
     for lo in range(0, len(rows), step):
-        yield lo, rows[lo : lo + step]
+        r = noise.unpack(packed[lo : lo + step], c0 % noise.ELEMS_PER_WORD, c1 - c0, dtype)
+        yield lo, rows[lo : lo + step], r
 
 
 def _expand(grid: torch.Tensor, rows: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
@@ -93,49 +108,38 @@ def _expand(grid: torch.Tensor, rows: torch.Tensor, layout: ShardLayout) -> torc
     return grid.index_select(0, rows // layout.block).index_select(1, cols)
 
 
-def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int):
+def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, packed: torch.Tensor):
     """Eq. 1 without autograd: ŵ (``w``'s dtype) from the local ``w``, the full tile grid
-    ``scale`` of s and the step's key. ŵ = w + R·s is computed in float32 (float64 for a
-    float64 ``w``) and rounded once to ``w``'s dtype."""
+    ``scale`` of s and the shard's :func:`packed_noise`. ŵ = w + R·s is computed in float32
+    (float64 for a float64 ``w``) and rounded once to ``w``'s dtype."""
     layout.check(w)
-    if _use_triton(w):
-        from . import triton_kernels
-
-        return triton_kernels.perturb(w, scale.float(), layout, key)
+    kernels = _triton_for(w)
+    if kernels:
+        return kernels.perturb(w, scale.float(), layout, packed)
     out = torch.empty_like(w)
     dtype = _compute_dtype(w)
-    c0, c1 = layout.col_range
-    full_cols = layout.full_shape[1]
-    for lo, rows in _row_chunks(layout, w.device):
-        r = noise.noise_block(rows, c0, c1 - c0, full_cols, key, dtype)
+    for lo, rows, r in _noise_chunks(packed, layout, dtype):
         s = _expand(scale.to(dtype), rows, layout)
         out[lo : lo + len(rows)] = (w[lo : lo + len(rows)].to(dtype) + r * s).to(w.dtype)
     return out
 
 
-def noise_dot(grad: torch.Tensor, layout: ShardLayout, key: int) -> torch.Tensor:
+def noise_dot(grad: torch.Tensor, layout: ShardLayout, packed: torch.Tensor) -> torch.Tensor:
     """Σ_tile (grad ⊙ R) over this shard's part of every tile, on the full grid (float32,
     float64 for float64 ``grad``), 0 for tiles the shard does not touch."""
     dtype = _compute_dtype(grad)
-    generate = None
-    if _use_triton(grad):
-        from . import triton_kernels
-
-        generate = triton_kernels.packed_noise
-    c0, c1 = layout.col_range
     parts = []
-    for lo, rows in _row_chunks(layout, grad.device):
-        r = noise.noise_block(rows, c0, c1 - c0, layout.full_shape[1], key, dtype, generate)
+    for lo, rows, r in _noise_chunks(packed, layout, dtype):
         prod = grad[lo : lo + len(rows)].to(dtype) * r
-        parts.append(segment_reduce(prod, 1, c0, layout.block, "sum"))
+        parts.append(segment_reduce(prod, 1, layout.col_range[0], layout.block, "sum"))
     return block_reduce(None, layout, "sum", col_partial=torch.cat(parts))
 
 
-def bits_grad(grad: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
-              group=None) -> torch.Tensor:
+def bits_grad(grad: torch.Tensor, scale: torch.Tensor, layout: ShardLayout,
+              packed: torch.Tensor, group=None) -> torch.Tensor:
     """Eq. 3: ∂L/∂b_t on the full grid from ∂L/∂ŵ of this shard; with ``group`` the shards'
     partial sums are all-reduced (SUM) so every rank returns the full gradient."""
-    dot = noise_dot(grad, layout, key)
+    dot = noise_dot(grad, layout, packed)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(dot, group=group)
     return -math.log(2.0) * scale.to(dot.dtype) * dot
@@ -150,14 +154,15 @@ class GaussSample(torch.autograd.Function):
         scale = block_scale(amax.to(_compute_dtype(w)), bits)
         ctx.save_for_backward(scale)
         ctx.key, ctx.layout, ctx.group, ctx.bits_dtype = key, layout, group, bits.dtype
-        return perturb(w, scale, layout, key)
+        return perturb(w, scale, layout, packed_noise(layout, key, w))
 
     @staticmethod
     def backward(ctx, grad_hat):
         (scale,) = ctx.saved_tensors
         grad_bits = None
-        if ctx.needs_input_grad[1]:
-            grad_bits = bits_grad(grad_hat, scale, ctx.layout, ctx.key, ctx.group)
+        if ctx.needs_input_grad[1]:  # R regenerated from the key, never stored
+            packed = packed_noise(ctx.layout, ctx.key, grad_hat)
+            grad_bits = bits_grad(grad_hat, scale, ctx.layout, packed, ctx.group)
             grad_bits = grad_bits.to(ctx.bits_dtype)
         return grad_hat, grad_bits, None, None, None, None
 

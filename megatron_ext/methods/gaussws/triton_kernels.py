@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .layout import ShardLayout
-from .noise import ELEMS_PER_WORD, PHILOX_ROUNDS, words_per_row
+from .noise import PHILOX_ROUNDS, words_per_row
 
 __all__ = ["packed_noise", "perturb"]
 
@@ -93,21 +93,19 @@ def _perturb_kernel(
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int):
+def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, packed: torch.Tensor):
     """Same contract as :func:`.sampling.perturb` (float32 ``scale`` grid; ``w`` float32,
     bfloat16 or float16)."""
     w = w.contiguous()
     bf16 = w.dtype == torch.bfloat16
     rows = layout.global_rows(w.device)
-    c0, c1 = layout.col_range
-    word_start = c0 // ELEMS_PER_WORD
-    n_words = words_per_row(c1) - word_start
-    packed = packed_noise(rows, word_start, n_words, layout.full_shape[1], key)
+    c0 = layout.col_range[0]
+    n_words = packed.shape[1]
     out = torch.empty_like(w)
     block_r, block_c = 32, 64
     grid = (triton.cdiv(w.shape[0], block_r), triton.cdiv(w.shape[1], block_c))
     _perturb_kernel[grid](
-        w.view(torch.int16) if bf16 else w, packed, rows, scale.contiguous(),
+        w.view(torch.int16) if bf16 else w, packed.contiguous(), rows, scale.contiguous(),
         out.view(torch.int16) if bf16 else out, w.shape[0], w.shape[1], n_words, c0,
         scale.shape[1], BLOCK=layout.block, BLOCK_R=block_r, BLOCK_C=block_c, BF16=bf16,
         enable_fp_fusion=False,

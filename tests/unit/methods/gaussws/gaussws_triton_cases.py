@@ -50,8 +50,8 @@ def test_perturb_is_the_torch_path_bit_for_bit(layout, dtype):
     w = w.to(dtype)
     bits = 2 + 6 * torch.rand(layout.grid_shape, generator=gen)
     scale = sampling.block_scale(local_block_amax(w, layout), bits)
-    expected = sampling.perturb(w, scale, layout, key=99)
-    assert _same_bits(tk.perturb(w, scale, layout, key=99), expected)
+    packed = sampling.packed_noise(layout, 99, w)  # the torch generator (CPU tensor)
+    assert _same_bits(tk.perturb(w, scale, layout, packed), sampling.perturb(w, scale, layout, packed))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, near max
@@ -62,7 +62,8 @@ def test_perturb_rounding_at_the_bfloat16_edges():
     w[2, :4] = torch.tensor([1.0, -1.0, 2.0**-133, -1e-39])  # bf16 subnormals
     w[3, :2] = float("nan")
     scale = torch.tensor([[1e38, 2.0**-140]], dtype=torch.float32)
-    got, expected = tk.perturb(w, scale, layout, key=3), sampling.perturb(w, scale, layout, 3)
+    packed = sampling.packed_noise(layout, 3, w)
+    got, expected = tk.perturb(w, scale, layout, packed), sampling.perturb(w, scale, layout, packed)
     assert _same_bits(got, expected) and torch.isinf(got).any()
     assert got[2, 2] != 0 and torch.isnan(got[3, 0])
 

@@ -175,3 +175,14 @@ def test_noise_survives_the_bf16_cast_up_to_the_bound():
         changed[b] = w_hat != w
     assert changed[9][r != 0].all()
     assert not changed[10][(r.abs() == 1) & top].any() and changed[10][r != 0].any()
+
+
+def test_row_chunking_changes_nothing(monkeypatch):
+    layout = ShardLayout((200, 90), ((10, 50), (110, 150)), (7, 61), block=16)
+    w = torch.randn(layout.shape, generator=_gen())
+    scale = sampling.block_scale(local_block_amax(w, layout), torch.full(layout.grid_shape, 4.0))
+    packed = sampling.packed_noise(layout, KEY, w)
+    whole = (sampling.perturb(w, scale, layout, packed), sampling.noise_dot(w, layout, packed))
+    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 100)  # two rows per chunk
+    chunked = (sampling.perturb(w, scale, layout, packed), sampling.noise_dot(w, layout, packed))
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
