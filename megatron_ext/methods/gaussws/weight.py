@@ -25,7 +25,7 @@ import torch
 
 from .config import GaussWSConfig
 from .layout import ShardLayout, all_reduce_block_amax, local_block_amax
-from .sampling import GaussSample
+from .sampling import GaussSample, bits_grad, block_scale, packed_noise
 
 
 class GaussWSWeight(torch.nn.Module):
@@ -43,12 +43,31 @@ class GaussWSWeight(torch.nn.Module):
         b = self.b_target + self.b_i * (self.b_init - self.b_target)
         return b if max_bits is None else b.clamp(max=max_bits)
 
-    def forward(self, w: torch.Tensor, key: int, max_bits: float | None = None, group=None):
+    def forward(self, w: torch.Tensor, key: int, max_bits: float | None = None, group=None,
+                defer_bits_grad: bool = False):
         """ŵ (eq. 1) of the local weight ``w`` with the step's ``key``; ``group`` is the
         layer's TP group when ``w`` is a shard (tile maxima and b_t gradients are reduced
-        over it)."""
+        over it). With ``defer_bits_grad`` the backward only passes ∂L/∂ŵ to w (no R
+        regeneration): call :meth:`accumulate_bits_grad` once per step instead."""
         amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)
-        return GaussSample.apply(w, self.bits(max_bits), amax, key, self.layout, group)
+        bits = self.bits(max_bits)
+        return GaussSample.apply(w, bits.detach() if defer_bits_grad else bits, amax, key,
+                                 self.layout, group)
+
+    def accumulate_bits_grad(self, w: torch.Tensor, w_grad: torch.Tensor, key: int,
+                             max_bits: float | None = None, group=None) -> None:
+        """Add eq. 3's ∂L/∂b_i for a whole step to ``b_i.grad`` from the weight's gradient
+        accumulated over the step's micro-batches. Eq. 3 is linear in ∂L/∂ŵ = ∂L/∂w and ŵ's
+        R and s are the same for every micro-batch (key frozen, w unchanged), so one pass
+        per step equals the per-micro-batch sum (up to float summation order). ``w_grad``
+        already averaged over data-parallel ranks gives the averaged ∂L/∂b_i."""
+        amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)
+        bits = self.bits(max_bits)
+        scale = block_scale(amax.to(torch.float64 if w.dtype == torch.float64 else torch.float32),
+                            bits)
+        packed = packed_noise(self.layout, key, w)
+        grad = bits_grad(w_grad, scale, self.layout, packed, group)
+        bits.backward(grad.to(bits.dtype))
 
     @torch.no_grad()
     def stats(self) -> dict[str, float]:

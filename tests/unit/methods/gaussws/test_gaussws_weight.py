@@ -123,3 +123,25 @@ def test_sampled_linear_matches_sample_then_linear_and_stores_no_w_hat():
     for a, b in zip(grads0, grads1):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     assert extra0 >= w.numel() * 4 and extra1 == bits.numel() * 4  # ŵ kept vs scale grid only
+
+
+def test_bits_grad_once_per_step_equals_the_micro_batch_sum():
+    """Three micro-batches under one key: eq. 3 from the accumulated weight gradient, once,
+    equals the b_i gradient the per-micro-batch backward passes add up."""
+    per_mb, deferred = _weight(), _weight()
+    for mod in (per_mb, deferred):
+        with torch.no_grad():
+            mod.b_i.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(100, 70, generator=gen, requires_grad=True)
+    grads = [torch.randn(100, 70, generator=gen) for _ in range(3)]
+    for g in grads:
+        per_mb(w, KEY, max_bits=6.0).backward(g)
+    w_grad = w.grad.clone()
+    w.grad = None
+    for g in grads:
+        deferred(w, KEY, max_bits=6.0, defer_bits_grad=True).backward(g)
+    assert deferred.b_i.grad is None and torch.equal(w.grad, w_grad)
+    deferred.accumulate_bits_grad(w.detach(), w.grad, KEY, max_bits=6.0)
+    err = (deferred.b_i.grad - per_mb.b_i.grad).abs().max()
+    assert err <= 1e-5 * per_mb.b_i.grad.abs().max() and (per_mb.b_i.grad == 0).any()
