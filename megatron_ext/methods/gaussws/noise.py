@@ -37,7 +37,9 @@ same keys). All TP and DP ranks of a site use the same key: they hold the same w
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,7 @@ _MASK64 = (1 << 64) - 1
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _NIBBLE0 = 0x11111111  # bit 0 of every nibble
+assert sys.byteorder == "little", "unpack reads packed int32 words byte by byte"
 ELEMS_PER_WORD = 8
 """R codes per packed 32-bit word."""
 CHUNK_WORDS = 1 << 17
@@ -62,14 +65,16 @@ def philox4x32(c0, c1, c2, c3, key: int, rounds: int = PHILOX_ROUNDS):
 
     The 32 x 32 -> 64-bit products are int64 multiplications: a product of two values below
     2^32 fits in 64 bits, and torch's int64 multiply wraps modulo 2^64 (two's complement), so
-    the result's bits are the unsigned product's (high word: ``>> 32`` then masked)."""
+    the result's bits are the unsigned product's (high word: ``>> 32`` then masked). The
+    low words c1, c3 stay unmasked inside the loop: their stray high bits only reach c0, c2
+    through XORs that are masked before the next multiply."""
     k0, k1 = key & _MASK32, (key >> 32) & _MASK32
     for _ in range(rounds):
         pa, pb = c0 * _ROUND_A, c2 * _ROUND_B
-        c0, c2 = ((pb >> 32) & _MASK32) ^ c1 ^ k0, ((pa >> 32) & _MASK32) ^ c3 ^ k1
-        c1, c3 = pb & _MASK32, pa & _MASK32
+        c0, c2 = ((pb >> 32) ^ c1 ^ k0) & _MASK32, ((pa >> 32) ^ c3 ^ k1) & _MASK32
+        c1, c3 = pb, pa
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return c0, c1, c2, c3
+    return c0, c1 & _MASK32, c2, c3 & _MASK32
 
 
 def encode(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -110,14 +115,22 @@ def packed_noise(
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """256 x 2 table: the R values of a byte's low and high nibble."""
+    codes = torch.arange(256)
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=1)
+    return ((nibbles & 3) * (1 - 2 * (nibbles >> 3))).to(dtype).to(device)
+
+
 def unpack(packed: torch.Tensor, col_offset: int, n_cols: int, dtype: torch.dtype):
     """R values (``dtype``, ``rows x n_cols``) of packed words whose first word starts
-    ``col_offset`` (0..7) elements before the first wanted column."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    codes = (packed[..., None] >> shifts) & 0xF
-    values = (codes & 3) * (1 - 2 * (codes >> 3))
-    flat = values.reshape(packed.shape[0], -1)
-    return flat[:, col_offset : col_offset + n_cols].to(dtype)
+    ``col_offset`` (0..7) elements before the first wanted column. A table lookup per byte
+    (a little-endian int32 holds nibbles 0, 1 in its first byte, and so on)."""
+    rows = packed.shape[0]
+    index = packed.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    values = _byte_values(dtype, packed.device).index_select(0, index).view(rows, -1)
+    return values[:, col_offset : col_offset + n_cols]
 
 
 def noise_block(rows: torch.Tensor, col_start: int, n_cols: int, full_cols: int, key: int,
