@@ -17,9 +17,10 @@ widths requiring gradients:
   per-step pass (:meth:`GaussWSWeight.accumulate_bits_grad`) is timed apart (``step``).
 
 The sampled variants include the tile maxima, R's generation and (but ``defer``) its
-regeneration and eq. 3 in the backward. Bytes: ``saved`` is what autograd keeps beyond the existing x, w and
-bias (measured with saved-tensor hooks); ``state`` is b_i with its gradient and two AdamW
-moments (float32); ``transient`` is the packed R alive during a pass (0.5 byte per element).
+regeneration and eq. 3 in the backward. Bytes: ``saved`` is what autograd keeps beyond
+the existing x, w and bias (measured with saved-tensor hooks); ``state`` is b_i with its
+gradient and two AdamW moments (float32); ``transient`` is the packed R alive during a
+pass (0.5 byte per element).
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ class GaussWSWeight(torch.nn.Module):
     def accumulate_bits_grad(self, w: torch.Tensor, w_grad: torch.Tensor, key: int,
                              max_bits: float | None = None, group=None) -> None:
         """Add eq. 3's ∂L/∂b_i for a whole step to ``b_i.grad`` from the weight's gradient
-        accumulated over the step's micro-batches. Eq. 3 is linear in ∂L/∂ŵ = ∂L/∂w and ŵ's
-        R and s are the same for every micro-batch (key frozen, w unchanged), so one pass
+        accumulated over the step's micro-batches. Eq. 3 is linear in ∂L/∂ŵ = ∂L/∂w, and
+        ŵ's R and s are the same for every micro-batch (key frozen, w unchanged): one pass
         per step equals the per-micro-batch sum (up to float summation order). ``w_grad``
         already averaged over data-parallel ranks gives the averaged ∂L/∂b_i."""
         amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)

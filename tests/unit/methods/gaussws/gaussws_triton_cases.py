@@ -51,7 +51,8 @@ def test_perturb_is_the_torch_path_bit_for_bit(layout, dtype):
     bits = 2 + 6 * torch.rand(layout.grid_shape, generator=gen)
     scale = sampling.block_scale(local_block_amax(w, layout), bits)
     packed = sampling.packed_noise(layout, 99, w)  # the torch generator (CPU tensor)
-    assert _same_bits(tk.perturb(w, scale, layout, packed), sampling.perturb(w, scale, layout, packed))
+    expected = sampling.perturb(w, scale, layout, packed)
+    assert _same_bits(tk.perturb(w, scale, layout, packed), expected)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, near max

@@ -25,7 +25,8 @@ def _explicit(w, bits, key, block=32):
     amax = torch.zeros(bits.shape, dtype=w.dtype)
     for i in range(bits.shape[0]):
         for j in range(bits.shape[1]):
-            amax[i, j] = w.detach()[i * block : (i + 1) * block, j * block : (j + 1) * block].abs().max()
+            tile = w.detach()[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            amax[i, j] = tile.abs().max()
     s = amax * torch.exp2(1 - bits)
     s_full = s.repeat_interleave(block, 0)[:m].repeat_interleave(block, 1)[:, :n]
     r = noise.noise_block(torch.arange(m), 0, n, n, key, w.dtype)
@@ -78,8 +79,8 @@ def test_gradients_match_central_differences_with_tile_maxima_held_constant():
             e[k] = h
             e = e.view(x.shape)
             with torch.no_grad():
-                up, down = ((w + e, bits), (w - e, bits)) if x is w else ((w, bits + e), (w, bits - e))
-                fd = (loss(*up) - loss(*down)) / (2 * h)
+                pairs = ((w + e, bits), (w - e, bits)) if x is w else ((w, bits + e), (w, bits - e))
+                fd = (loss(*pairs[0]) - loss(*pairs[1])) / (2 * h)
             assert abs(fd - grad.view(-1)[k]) <= 1e-6 * (1 + abs(fd)), (k, fd, grad.view(-1)[k])
 
 

@@ -79,7 +79,8 @@ def test_sites_and_flags():
             parse_sites(bad)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cfg = GaussWSConfig.from_args(parser.parse_args(["--gaussws", "od", "--gaussws-lambda", "1e-4"]))
+    flags = ["--gaussws", "od", "--gaussws-lambda", "1e-4"]
+    cfg = GaussWSConfig.from_args(parser.parse_args(flags))
     assert cfg == GaussWSConfig(("proj", "fc2"), 6.0, 4.0, 1e-4, 32) and cfg.enabled
     assert not GaussWSConfig.from_args(parser.parse_args([])).enabled
     for kw in ({"b_init": 4.0}, {"block": 0}, {"lam": -1.0}):
@@ -111,7 +112,8 @@ def test_sampled_linear_matches_sample_then_linear_and_stores_no_w_hat():
         def run():
             if fused:
                 return SampledLinear.apply(x, w, bias, bits, amax, KEY, layout, None)
-            return torch.nn.functional.linear(x, GaussSample.apply(w, bits, amax, KEY, layout), bias)
+            w_hat = GaussSample.apply(w, bits, amax, KEY, layout)
+            return torch.nn.functional.linear(x, w_hat, bias)
 
         y, extra = _saved_new_bytes(run, x, w, bias, bits)
         y.backward(dy)
