@@ -21,9 +21,9 @@ the TP group: every rank then holds the full gradient, as at TP=1 (same value up
 summation order), and the replicated ``bits`` parameter stays identical across ranks.
 
 Eq. 6's underflow bound — ŵ is cast to the GEMM's format with ``m`` mantissa bits, and a
-nonzero noise below half a step of that grid would vanish in the cast while eq. 3 still
-credits it — caps b_t at ``m + 2 - r`` (``r = 0`` for this R: min nonzero |R| = 2^0):
-:func:`underflow_bound` (BF16: 9, FP8 E4M3: 5, E5M2: 4, FP4 E2M1: 3).
+nonzero noise under half a grid step of the tile's top binade would be rounded away while
+eq. 3 still credits it — caps b_t at ``m + 2 - r`` (``r = 0`` for this R: min nonzero
+|R| = 2^0): :func:`underflow_bound` (BF16: 9, FP8 E4M3: 5, E5M2: 4, FP4 E2M1: 3).
 """
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ from megatron_ext.errors import UsageError
 from megatron_ext.formats import CastElement, FloatElement, get_format
 
 from . import noise
-from .layout import ShardLayout, segment_reduce, all_reduce_block_amax, block_reduce
-from .layout import local_block_amax
+from .layout import (
+    ShardLayout,
+    all_reduce_block_amax,
+    block_reduce,
+    local_block_amax,
+    segment_reduce,
+)
 
 CHUNK_ELEMS = 1 << 20
 """Elements per chunk on the torch path."""

@@ -16,7 +16,10 @@ tiles' terms with the model-wide n).
 
 ``b_i`` is a full tile grid (``ceil(M/32) x ceil(N/32)``, 1/1024 of the weight) replicated
 on every TP rank of the layer: its gradient arrives complete on each rank (the sampling
-backward all-reduces over the TP group), so replicas stay equal.
+backward all-reduces over the TP group), so replicas stay equal. It has no
+``tensor_model_parallel`` attribute, which megatron reads as "a TP duplicate": counted once
+in the gradient norm, replicated in checkpoints, not reduced again after the backward (so
+an eq. 10 term added on every TP rank counts once).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from .config import GaussWSConfig
 from .layout import ShardLayout, all_reduce_block_amax, local_block_amax
-from .sampling import GaussSample, bits_grad, block_scale, packed_noise
+from .sampling import bits_grad, block_scale, packed_noise, sample_weight
 
 
 class GaussWSWeight(torch.nn.Module):
@@ -36,7 +39,6 @@ class GaussWSWeight(torch.nn.Module):
         self.layout = layout
         self.b_init, self.b_target = config.b_init, config.b_target
         self.b_i = torch.nn.Parameter(torch.ones(layout.grid_shape, device=device))
-        self.b_i.gaussws_tp_replicated = True  # full grid on every TP rank, complete grads
 
     def bits(self, max_bits: float | None = None) -> torch.Tensor:
         """b_t per tile (eq. 9), clamped at ``max_bits`` (eq. 6) when given."""
@@ -49,10 +51,9 @@ class GaussWSWeight(torch.nn.Module):
         layer's TP group when ``w`` is a shard (tile maxima and b_t gradients are reduced
         over it). With ``defer_bits_grad`` the backward only passes ∂L/∂ŵ to w (no R
         regeneration): call :meth:`accumulate_bits_grad` once per step instead."""
-        amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)
         bits = self.bits(max_bits)
-        return GaussSample.apply(w, bits.detach() if defer_bits_grad else bits, amax, key,
-                                 self.layout, group)
+        return sample_weight(w, bits.detach() if defer_bits_grad else bits, key, self.layout,
+                             group)
 
     def accumulate_bits_grad(self, w: torch.Tensor, w_grad: torch.Tensor, key: int,
                              max_bits: float | None = None, group=None) -> None:
@@ -63,16 +64,15 @@ class GaussWSWeight(torch.nn.Module):
         already averaged over data-parallel ranks gives the averaged ∂L/∂b_i."""
         amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)
         bits = self.bits(max_bits)
-        scale = block_scale(amax.to(torch.float64 if w.dtype == torch.float64 else torch.float32),
-                            bits)
+        scale = block_scale(amax, bits)  # amax: float32, float64 for a float64 w
         packed = packed_noise(self.layout, key, w)
         grad = bits_grad(w_grad, scale, self.layout, packed, group)
         bits.backward(grad.to(bits.dtype))
 
     @torch.no_grad()
-    def stats(self) -> dict[str, float]:
-        """Mean / min / max of b_t (unclamped) for the metrics record."""
-        b = self.bits().float()
+    def stats(self, max_bits: float | None = None) -> dict[str, float]:
+        """Mean / min / max of b_t (clamped at ``max_bits`` when given) for the metrics."""
+        b = self.bits(max_bits).float()
         return {"mean": b.mean().item(), "min": b.min().item(), "max": b.max().item()}
 
 
