@@ -144,7 +144,7 @@ def noise_block(rows: torch.Tensor, col_start: int, n_cols: int, full_cols: int,
 
 
 def _mix64(z: int) -> int:
-    """splitmix64's finaliser: a bijective 64-bit mix."""
+    """One splitmix64 output step (add the golden gamma, then its finaliser): a bijection."""
     z = (z + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
