@@ -24,7 +24,7 @@ WORKDIR /workspace/megatron_ext
 #    image's CUDA build is the torch), plus pytest and hypothesis for the tests on a GPU.
 #    tests/unit/test_dockerfile.py checks this list against setup.py.
 RUN pip install --no-cache-dir "megatron-core==0.16.1" numpy psutil tokenizers safetensors \
-        tensorboard matplotlib highspy scipy pytest hypothesis
+        tensorboard matplotlib highspy scipy pyyaml pytest hypothesis
 
 # 2. The package itself, without dependency resolution (which would ask for torch==2.13.0).
 #    Editable, so a checkout mounted over /workspace/megatron_ext is what runs.

@@ -19,6 +19,7 @@ setup(
         "matplotlib",
         "highspy",
         "scipy",
+        "pyyaml",  # tools/compare_precision.py's grid configs
     ],
     extras_require={
         # independent references in tests: torchao (MX formats; it pins no torch) and

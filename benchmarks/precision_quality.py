@@ -10,8 +10,9 @@ prints the final validation loss of each run and its gap to the FP32 run:
 Each run is ``pretrain("llama")`` with the precision and SNIP extensions (those of
 ``pretrain_llama.py``) in a child process (this script re-invoked with ``--pretrain``), with
 the same seed and data order; only the linear GEMMs' formats differ. Its output goes to
-``<run dir>/train.log``. ``benchmarks/precision_step_time.py`` and
-``benchmarks/snip_quality.py`` reuse :func:`train` and :func:`summarize`.
+``<run dir>/train.log``. ``benchmarks/precision_step_time.py`` reuses :func:`train` and
+:func:`summarize`. Grids of any runs x seeds with standard errors and paired differences:
+``tools/compare_precision.py`` (docs/compare.md).
 """
 
 from __future__ import annotations

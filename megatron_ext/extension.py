@@ -22,11 +22,48 @@ on every rank. Extensions never call each other; they share state through the re
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 Hook = Callable[[argparse.Namespace, Any, Any], Any]
 """``hook(args, run, state)``."""
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per-stage times one extension estimates for ``--dry-run`` (the precision platform's,
+    from its cost model); the dry run turns them into the step time and tokens/s."""
+
+    seconds: tuple[float, ...]
+    """Per pipeline stage: forward + backward of one micro-batch on one GPU."""
+    basis: str
+    """What they assume, for the summary line (``plan uniform:fp8``)."""
+    how: str
+    """How they were computed, one phrase for the notes (rates, what is counted)."""
+
+
+@dataclass(frozen=True)
+class DryRunPart:
+    """What one extension adds to the ``--dry-run`` report; every field may stay empty."""
+
+    columns: tuple[str, ...] = ()
+    """Headers of the stage-table columns it adds (after the parameter counts)."""
+    cells: tuple[tuple[str, ...], ...] = ()
+    """Per pipeline stage, the text of each of ``columns``."""
+    stage_json: tuple[dict, ...] = ()
+    """Per pipeline stage, numbers merged into that stage's entry of ``--dry-run-json``."""
+    times: StageTimes | None = None
+    """Per-stage times; at most one extension of a run gives them (without any, the report
+    has no time estimate)."""
+    memory: tuple[float, ...] = ()
+    """Per pipeline stage, bytes one GPU holds besides the model state and activations
+    (added to its total; empty: nothing)."""
+    lines: tuple[str, ...] = ()
+    """Summary lines, printed after the time line."""
+    notes: tuple[str, ...] = ()
+    """Assumptions, one line each (printed as ``note:`` lines)."""
+    json: dict = field(default_factory=dict)
+    """Top-level keys it adds to ``--dry-run-json`` (no two parts may add the same key)."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +108,11 @@ class Extension:
     """Training begins (after ``--load``): install signal handlers, hooks."""
     on_train_end: Hook | None = None
     """Training ended, normally or not: undo what ``on_train_start`` did."""
-    dry_run_estimate: Callable[..., Any] | None = None
-    """``dry_run_estimate(args, context)`` -> a ``DryRunPart`` (rows and per-stage numbers the
-    feature adds to ``--dry-run``'s report) or None; ``context`` is the dry run's
-    ``DryRunContext`` (layout, model shape, stages)."""
+    dry_run_estimate: Callable[..., DryRunPart | None] | None = None
+    """``dry_run_estimate(args, context)`` -> the :class:`DryRunPart` (columns, lines, times,
+    JSON) the feature adds to ``--dry-run``'s report, or None; ``context`` is the dry run's
+    ``megatron_ext.training.dry_run.parts.DryRunContext`` (layout, the stages megatron built,
+    padded vocabulary). Runs after ``validate``, in list order."""
 
 
 def args_provider(extensions: list[Extension]):

@@ -1,19 +1,28 @@
-"""The cost model: linear-layer FLOPs by the precision they run at, overall and per stage.
+"""The one cost model: FLOPs and times of the linear GEMMs by precision, and a stage's fixed time.
 
-Each GEMM of a site with ``T`` tokens, ``N`` output and ``K`` input features costs
+**FLOPs.** Each GEMM of a site with ``T`` tokens, ``N`` output and ``K`` input features costs
 ``2·T·N·K`` FLOPs — fprop (T x K times K x N), dgrad (T x N times N x K) and wgrad (N x T
-times T x K) alike, so a site costs ``3 · 2·T·N·K`` per step. A GEMM runs at the rate of its
-**wider** operand (a mixed-input tensor-core MMA runs at the slower format's rate), so its
-class is that of the wider operand, by element bits:
+times T x K) alike, so a site costs ``3 · 2·T·N·K`` per pass over ``T`` tokens. A GEMM runs
+at the rate of its **wider** operand (a mixed-input tensor-core MMA runs at the slower
+format's rate), so its class is that of the wider operand, by element bits:
 
 * ``fp4``: at most 4 bits (E2M1, INT4, MXFP4, NVFP4);
 * ``fp8``: 5 to 8 bits (E4M3, E5M2, the FP6 formats, INT8 — Blackwell runs FP6 at FP8 rate);
 * ``bf16``: everything wider, and passthrough (the run's own BF16/FP32).
 
-FP4 is 2x FP8 and FP8 2x BF16 throughput, so the GEMM time relative to all-BF16 is
-``bf16 + fp8/2 + fp4/4`` (fractions of FLOPs). SNIP's efficiency metric is the ``fp4``
-fraction. Shapes are the global (unsharded) ones from the model flags; TP does not change the
-fractions and PP only groups layers into stages.
+**Times.** FP4 is 2x FP8 and FP8 2x BF16 throughput: at a BF16 rate ``R`` a GEMM of class
+``c`` takes ``2·T·N·K / (R · speed(c))`` seconds, so the GEMM time relative to all-BF16 is
+``bf16 + fp8/2 + fp4/4`` (fractions of FLOPs). What no plan changes is a stage's **fixed
+time**, in BF16: the attention core of each of its layers, ``6·T·s·h`` (QKᵀ and PV, ``2·T·s·h``
+each forward, the causal half of that, forward + backward = 3 x forward; ``s`` the sequence
+length, ``h`` the width), plus on the last stage the output layer, ``6·T·v·h`` (``v`` the
+padded vocabulary). SNIP's efficiency metric is the ``fp4`` fraction; its ILP weighs option
+times against the fixed times; the dry run adds them up per stage.
+
+Shapes are the global (unsharded) ones from the model flags; TP divides a stage's time but
+not the fractions, and PP only groups layers into stages. ``T`` is whatever the caller
+counts: a step's tokens (global batch x sequence: FLOP fractions, SNIP's problem) or a
+micro-batch's (the dry run's per-micro-batch times).
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ CLASSES = ("fp4", "fp8", "bf16")
 
 SPEED = {"fp4": 4.0, "fp8": 2.0, "bf16": 1.0}
 """Throughput of each class relative to BF16."""
+
+BF16_FLOPS_PER_S = 989e12
+"""Default BF16 rate ``R``: the dense BF16 tensor-core peak of an H100 SXM."""
 
 
 def operand_class(name: str) -> str:
@@ -46,12 +58,12 @@ def gemm_class(a: str, b: str) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the FLOP count needs to know about the model and the step."""
+    """What the cost model needs to know about the model and the tokens it is charged for."""
 
     num_layers: int
     """Transformer layers."""
     hidden_size: int
-    """Model width."""
+    """Model width ``h``."""
     ffn_hidden_size: int
     """MLP inner width (of each of gate and up for SwiGLU)."""
     num_attention_heads: int
@@ -61,18 +73,25 @@ class ModelShape:
     swiglu: bool
     """Gated MLP: fc1 computes gate and up (twice the outputs)."""
     tokens: int
-    """Tokens per step: global batch size x sequence length."""
+    """Tokens ``T`` the costs are for: a step's (global batch x sequence length) from
+    :meth:`from_args`; a micro-batch's for per-micro-batch times."""
     pipeline_stages: int = 1
     """PP size."""
     layers_per_virtual_stage: int | None = None
     """Layers per virtual-pipeline chunk (interleaved schedule), or None."""
+    seq_length: int = 0
+    """Sequence length ``s``, the attention core's span (0: no attention-core time)."""
+    vocab_size: int = 0
+    """Output-layer width ``v``, the padded vocabulary (0: no output-layer time)."""
 
     @classmethod
     def from_args(cls, args) -> "ModelShape":
+        """The run's shape for a whole step (``padded_vocab_size`` 0 until training sets it)."""
         return cls(args.num_layers, args.hidden_size, args.ffn_hidden_size,
                    args.num_attention_heads, args.num_query_groups, bool(args.swiglu),
                    args.global_batch_size * args.seq_length, args.pipeline_model_parallel_size,
-                   args.num_layers_per_virtual_pipeline_stage)
+                   args.num_layers_per_virtual_pipeline_stage, args.seq_length,
+                   getattr(args, "padded_vocab_size", 0) or 0)
 
     def site_nk(self, site: str) -> tuple[int, int]:
         """(N, K) of a site's weight, unsharded."""
@@ -92,6 +111,85 @@ class ModelShape:
         return (layer // per_chunk) % self.pipeline_stages
 
 
+def layer_stages(shape: ModelShape, stage_of: list[int] | None = None) -> list[int]:
+    """Pipeline stage of every layer: ``stage_of`` when given (an explicit split, e.g.
+    megatron's uneven first / last stage, or the stages a dry run built), else
+    ``shape.stage_of`` (the even split); ``ValueError`` for a split that does not fit."""
+    if stage_of is None:
+        return [shape.stage_of(layer) for layer in range(shape.num_layers)]
+    if len(stage_of) != shape.num_layers or \
+            not all(0 <= k < shape.pipeline_stages for k in stage_of):
+        raise ValueError(f"stage_of must give a stage in 0..{shape.pipeline_stages - 1} for "
+                         f"each of the {shape.num_layers} layers, got {list(stage_of)}")
+    return list(stage_of)
+
+
+@dataclass(frozen=True)
+class SiteCost:
+    """One site's three GEMMs (fprop, dgrad, wgrad) under its formats, for ``shape.tokens``."""
+
+    gemm_flops: float
+    """FLOPs of each of the three GEMMs, ``2·T·N·K``."""
+    classes: tuple[str, ...]
+    """Precision class of each GEMM, in ``GEMM_ROLES`` order."""
+    seconds: float
+    """Time of the three at the rate the cost was asked for: Σ 2·T·N·K / (R · speed)."""
+
+    @property
+    def flops(self) -> float:
+        """All three GEMMs' FLOPs."""
+        return 3 * self.gemm_flops
+
+    @property
+    def fp4_flops(self) -> float:
+        """FLOPs of the GEMMs that run at FP4 rate."""
+        return self.classes.count("fp4") * self.gemm_flops
+
+
+def site_cost(shape: ModelShape, site: str, formats: SiteFormats,
+              bf16_flops_per_s: float = BF16_FLOPS_PER_S) -> SiteCost:
+    """FLOPs, classes and time of ``site``'s GEMMs with ``formats`` (module docstring)."""
+    n, k = shape.site_nk(site)
+    gemm = 2.0 * shape.tokens * n * k
+    classes, seconds = [], 0.0
+    for name, (a, b) in GEMM_ROLES.items():
+        cls = gemm_class(formats.operand(name, a), formats.operand(name, b))
+        classes.append(cls)
+        seconds += gemm / (bf16_flops_per_s * SPEED[cls])
+    return SiteCost(gemm, tuple(classes), seconds)
+
+
+def stage_fixed_seconds(shape: ModelShape, bf16_flops_per_s: float = BF16_FLOPS_PER_S,
+                        stage_of: list[int] | None = None) -> list[float]:
+    """Per stage, the time no plan changes: ``6·T·s·h`` per layer (attention core) plus
+    ``6·T·v·h`` on the last stage (output layer), in BF16; ``stage_of`` as in
+    :func:`layer_stages`."""
+    flops = [0.0] * shape.pipeline_stages
+    for stage in layer_stages(shape, stage_of):
+        flops[stage] += 3 * 2 * shape.tokens * shape.seq_length * shape.hidden_size
+    flops[-1] += 3 * 2 * shape.tokens * shape.vocab_size * shape.hidden_size
+    return [f / bf16_flops_per_s for f in flops]
+
+
+def _site_costs(formats_of, shape: ModelShape, stage_of, bf16_flops_per_s: float):
+    """(stage, SiteCost) of every site of the model; ``formats_of(site_id) -> SiteFormats``."""
+    for layer, stage in enumerate(layer_stages(shape, stage_of)):
+        for site in SITES:
+            yield stage, site_cost(shape, site, formats_of(site_id(layer, site)),
+                                   bf16_flops_per_s)
+
+
+def stage_seconds(formats_of, shape: ModelShape, bf16_flops_per_s: float = BF16_FLOPS_PER_S,
+                  stage_of: list[int] | None = None) -> list[float]:
+    """Per stage: its sites' GEMM time under ``formats_of`` plus its fixed time, for
+    ``shape.tokens`` tokens on one device running the whole stage (divide by TP)."""
+    gemms = [0.0] * shape.pipeline_stages
+    for stage, cost in _site_costs(formats_of, shape, stage_of, bf16_flops_per_s):
+        gemms[stage] += cost.seconds
+    fixed = stage_fixed_seconds(shape, bf16_flops_per_s, stage_of)
+    return [g + f for g, f in zip(gemms, fixed)]
+
+
 @dataclass(frozen=True)
 class FlopReport:
     """Linear-layer FLOPs per step, split by precision class."""
@@ -102,6 +200,8 @@ class FlopReport:
     """Class -> fraction of ``total``."""
     stage_fractions: list[dict[str, float]]
     """Per pipeline stage: class -> fraction of that stage's FLOPs."""
+    stage_flops: list[float]
+    """Per pipeline stage: its linear-site FLOPs."""
 
     @property
     def time_vs_bf16(self) -> float:
@@ -118,17 +218,15 @@ class FlopReport:
         return out
 
 
-def flop_report(formats_of, shape: ModelShape) -> FlopReport:
-    """Account every GEMM of every site; ``formats_of(site_id) -> SiteFormats``."""
+def flop_report(formats_of, shape: ModelShape, stage_of: list[int] | None = None) -> FlopReport:
+    """Account every GEMM of every site; ``formats_of(site_id) -> SiteFormats``, ``stage_of``
+    as in :func:`layer_stages`."""
     stages = [dict.fromkeys(CLASSES, 0.0) for _ in range(shape.pipeline_stages)]
-    for layer in range(shape.num_layers):
-        for site in SITES:
-            n, k = shape.site_nk(site)
-            formats: SiteFormats = formats_of(site_id(layer, site))
-            for gemm, (a, b) in GEMM_ROLES.items():
-                cls = gemm_class(formats.operand(gemm, a), formats.operand(gemm, b))
-                stages[shape.stage_of(layer)][cls] += 2.0 * shape.tokens * n * k
-    total = sum(sum(s.values()) for s in stages)
+    for stage, cost in _site_costs(formats_of, shape, stage_of, BF16_FLOPS_PER_S):
+        for cls in cost.classes:
+            stages[stage][cls] += cost.gemm_flops
+    totals = [sum(s.values()) for s in stages]
+    total = sum(totals)
     fractions = {c: sum(s[c] for s in stages) / total for c in CLASSES}
-    per_stage = [{c: s[c] / sum(s.values()) for c in CLASSES} for s in stages]
-    return FlopReport(total, fractions, per_stage)
+    per_stage = [{c: s[c] / t for c in CLASSES} for s, t in zip(stages, totals)]
+    return FlopReport(total, fractions, per_stage, totals)

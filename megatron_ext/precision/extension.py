@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
-from megatron_ext.precision import policies
+from megatron_ext.precision import dry_run, policies
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
 from megatron_ext.precision.layers import quantized_linear_classes
@@ -172,4 +172,6 @@ def precision_extension(run: PrecisionRun | None = None) -> Extension:
     run = run or PrecisionRun()
     return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
                      linear_classes=run.linear_classes, after_setup=run.after_setup,
-                     before_step=run.before_step, on_step=run.on_step)
+                     before_step=run.before_step, on_step=run.on_step,
+                     dry_run_estimate=lambda args, context:
+                     dry_run.estimate(run.controller, args, context))

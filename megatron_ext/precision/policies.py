@@ -59,7 +59,9 @@ class Policy:
     """The method that registered it (its extension validates its flags)."""
     dry_run: Callable[..., PrecisionPlan] | None = None
     """``dry_run(args, shape)`` -> the plan ``--dry-run`` assumes, for a policy whose plan
-    only training can decide (None: ``make`` is used)."""
+    only training can decide (None: ``make``'s plan is used); ``shape`` is the run's
+    ``cost.ModelShape`` charged for one micro-batch, with the padded vocabulary
+    (:mod:`.dry_run`)."""
 
     def spellings(self) -> list[str]:
         return [f"{self.name}:{arg}" for arg in self.args] or [self.name]

@@ -66,14 +66,39 @@ class TERecipe:
     """``(x, w, dy)`` format names it quantizes with; ``None`` for the unquantized entry."""
     fields: tuple[tuple[str, str], ...]
     """megatron-core ``TEQuantizationRecipe`` fields that select it (the overrides come on top)."""
-    te_recipe: str
-    """The TE recipe megatron builds from it (``transformer_engine.common.recipe``)."""
-    gpus: str
-    """Compute capabilities TE runs it on (TE's support matrix)."""
+    te_class: str
+    """The TE recipe class megatron builds from it (``transformer_engine.common.recipe``:
+    ``Float8CurrentScaling``, ``Float8BlockScaling``, ``MXFP8BlockScaling``,
+    ``NVFP4BlockScaling``; '' for the unquantized entry)."""
+    te_format: str
+    """Its ``transformer_engine.common.recipe.Format``: ``E4M3``, ``HYBRID``, ``E2M1``."""
+    capability: tuple[int, int] | int | None
+    """GPUs TE runs it on (TE's support matrix): a minimum compute capability ``(major,
+    minor)``, or an int: exactly that major version (Blackwell data-centre, 10); None: any."""
     differs: str = ""
     """How TE's defaults differ from our emulation of the formats ('' if none is known)."""
     env: tuple[str, ...] = ()
     """Environment settings (read when TE is imported) that remove those differences."""
+
+    @property
+    def te_recipe(self) -> str:
+        """``Float8BlockScaling(E4M3)``, or what the unquantized entry means."""
+        return f"{self.te_class}({self.te_format})" if self.te_class else \
+            "no quantization (BF16 GEMMs)"
+
+    @property
+    def gpus(self) -> str:
+        if self.capability is None:
+            return "any"
+        if isinstance(self.capability, int):
+            return f"sm {self.capability}.x"
+        return f"sm >= {self.capability[0]}.{self.capability[1]}"
+
+    def runs_on(self, capability: tuple[int, int]) -> bool:
+        """Whether TE runs it on a GPU of compute ``capability``."""
+        if self.capability is None or isinstance(self.capability, tuple):
+            return capability >= (self.capability or (0, 0))
+        return capability[0] == self.capability
 
 
 def _fp8(recipe: Fp8Recipe, fmt: str) -> tuple[tuple[str, str], ...]:
@@ -85,27 +110,27 @@ _NVFP4 = ("TE scales weights in 16x16 blocks and Hadamard-transforms the wgrad o
           "ours: 1x16 blocks, no transform")
 _FP8_BLOCK = ("fp8_e4m3@tile128", "fp8_e4m3@block128")
 
-HIGH_PRECISION = TERecipe("bf16", None, (), "no quantization (BF16 GEMMs)", "any")
+HIGH_PRECISION = TERecipe("bf16", None, (), "", "", None)
 """Unquantized: megatron forces TE's autocast off for the module."""
 
 RECIPES = (
     TERecipe("fp8_tensorwise", ("fp8_e4m3", "fp8_e4m3", "fp8_e4m3"),
-             _fp8(Fp8Recipe.tensorwise, "e4m3"), "Float8CurrentScaling(E4M3)", "sm >= 8.9"),
+             _fp8(Fp8Recipe.tensorwise, "e4m3"), "Float8CurrentScaling", "E4M3", (8, 9)),
     TERecipe("fp8_tensorwise_hybrid", ("fp8_e4m3", "fp8_e4m3", "fp8_e5m2"),
-             _fp8(Fp8Recipe.tensorwise, "hybrid"), "Float8CurrentScaling(HYBRID)", "sm >= 8.9"),
+             _fp8(Fp8Recipe.tensorwise, "hybrid"), "Float8CurrentScaling", "HYBRID", (8, 9)),
     TERecipe("fp8_blockwise", (*_FP8_BLOCK, "fp8_e4m3@tile128"),
-             _fp8(Fp8Recipe.blockwise, "e4m3"), "Float8BlockScaling(E4M3)", "sm >= 9.0",
+             _fp8(Fp8Recipe.blockwise, "e4m3"), "Float8BlockScaling", "E4M3", (9, 0),
              _POW2, ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",)),
     TERecipe("fp8_blockwise_hybrid", (*_FP8_BLOCK, "fp8_e5m2@tile128"),
-             _fp8(Fp8Recipe.blockwise, "hybrid"), "Float8BlockScaling(HYBRID)", "sm >= 9.0",
+             _fp8(Fp8Recipe.blockwise, "hybrid"), "Float8BlockScaling", "HYBRID", (9, 0),
              _POW2, ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",)),
     TERecipe("mxfp8", ("mxfp8", "mxfp8", "mxfp8"),
-             _fp8(Fp8Recipe.mxfp8, "e4m3"), "MXFP8BlockScaling(E4M3)", "sm 10.x"),
+             _fp8(Fp8Recipe.mxfp8, "e4m3"), "MXFP8BlockScaling", "E4M3", 10),
     TERecipe("mxfp8_hybrid", ("mxfp8", "mxfp8", "mxfp8_e5m2"),
-             _fp8(Fp8Recipe.mxfp8, "hybrid"), "MXFP8BlockScaling(HYBRID)", "sm 10.x"),
+             _fp8(Fp8Recipe.mxfp8, "hybrid"), "MXFP8BlockScaling", "HYBRID", 10),
     TERecipe("nvfp4", ("nvfp4", "nvfp4", "nvfp4+sr"),
-             (("fp4_quantization_recipe", Fp4Recipe.nvfp4.value),), "NVFP4BlockScaling(E2M1)",
-             "sm 10.x", _NVFP4,
+             (("fp4_quantization_recipe", Fp4Recipe.nvfp4.value),), "NVFP4BlockScaling",
+             "E2M1", 10, _NVFP4,
              ("NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1", "NVTE_NVFP4_DISABLE_RHT=1")),
 )
 """Every TE recipe a site can map to. Not here: TE's ``DelayedScaling`` (megatron-core refuses

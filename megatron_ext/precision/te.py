@@ -39,7 +39,6 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_ext.formats import get_format
 
 
 class TERecipe(NamedTuple):
@@ -52,42 +51,16 @@ class TERecipe(NamedTuple):
     """Member of ``transformer_engine.common.recipe.Format``: ``E4M3``, ``HYBRID``, ``E2M1``."""
 
 
-def _from_ada(cc: tuple[int, int]) -> bool:
-    return cc >= (8, 9)
-
-
-def _from_hopper(cc: tuple[int, int]) -> bool:
-    return cc >= (9, 0)
-
-
-def _blackwell_datacenter(cc: tuple[int, int]) -> bool:
-    return cc[0] == 10
-
-
-_TABLE = [  # (recipe, (x, w, dy), supported(capability))
-    (TERecipe("Float8CurrentScaling", "E4M3"), ("fp8_e4m3", "fp8_e4m3", "fp8_e4m3"), _from_ada),
-    (TERecipe("Float8CurrentScaling", "HYBRID"), ("fp8_e4m3", "fp8_e4m3", "fp8_e5m2"), _from_ada),
-    (TERecipe("Float8BlockScaling", "E4M3"),
-     ("fp8_e4m3@tile128", "fp8_e4m3@block128", "fp8_e4m3@tile128"), _from_hopper),
-    (TERecipe("MXFP8BlockScaling", "E4M3"), ("mxfp8", "mxfp8", "mxfp8"), _blackwell_datacenter),
-    (TERecipe("MXFP8BlockScaling", "HYBRID"), ("mxfp8", "mxfp8", "mxfp8_e5m2"),
-     _blackwell_datacenter),
-    (TERecipe("NVFP4BlockScaling", "E2M1"), ("nvfp4", "nvfp4", "nvfp4+sr"),
-     _blackwell_datacenter),
-]
-
-
 @lru_cache(maxsize=None)
 def recipe_for(formats, capability: tuple[int, int]) -> TERecipe | None:
     """The TE recipe that runs ``formats`` (a ``SiteFormats``) natively on a GPU of compute
     ``capability`` (e.g. ``(9, 0)`` for H100), or ``None``: emulate it."""
-    if formats.overrides or "none" in (formats.x, formats.w, formats.dy):
+    from megatron_ext.precision import recipe_export  # the one table; plan -> layers -> here
+
+    recipe = recipe_export.recipe_for(formats)
+    if recipe is None or recipe.te_class == "" or not recipe.runs_on(capability):
         return None
-    roles = tuple(get_format(name) for name in (formats.x, formats.w, formats.dy))
-    for recipe, names, supported in _TABLE:
-        if roles == tuple(get_format(name) for name in names) and supported(capability):
-            return recipe
-    return None
+    return TERecipe(recipe.te_class, recipe.te_format)
 
 
 @lru_cache(maxsize=1)

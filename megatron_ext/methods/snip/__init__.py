@@ -5,7 +5,8 @@ quality loss under an FP4 FLOP budget.
 * :mod:`.ilp` — the ILP (eq. 1-5 and a per-stage time cap) and :func:`solve`; helped by
   :mod:`.ilp_arrays` (arrays, pruning, blocks), :mod:`.incumbent` (starting plans) and
   :mod:`.highs` (HiGHS glue);
-* :mod:`.synthetic` — Llama-shaped problems with random quality losses (tests, benchmarks).
+* :mod:`.synthetic` — problems of a model shape with random quality losses (tests,
+  benchmarks, the dry run); :mod:`.dry_run` — SNIP's part of ``--dry-run``.
 
 See ``docs/snip.md``.
 """

@@ -31,12 +31,12 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_ext.precision.controller import PlanController
-from megatron_ext.precision.cost import ModelShape
+from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import Policy, register_policy
 from megatron_ext.sites import SITES, ROLES, site_id
 from megatron_ext.precision.sites import SiteFormats
-from megatron_ext.methods.snip import planner
+from megatron_ext.methods.snip import dry_run, planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences
 from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.options import DEFAULT_CANDIDATES, option_name, parse_candidates
@@ -116,8 +116,7 @@ def solve_plan(args, policy: str, options, stats, step, loss=1.0, hyper=None, wa
     else:
         q = planner.quality_table(policy, stats, options, loss, hyper, shape, args.snip_seed,
                                   weights)
-    fixed = planner.stage_fixed_times(shape, args.seq_length,
-                                      getattr(args, "padded_vocab_size", 0) or 0)
+    fixed = stage_fixed_seconds(shape)
     problem = planner.build_problem(sites, options, q, shape, fixed,
                                     meta={"step": step, "policy": policy})
     config = SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads)
@@ -276,7 +275,9 @@ def _divergence_json(step, names, stats, q, table, policy) -> dict:
 
 for _name in POLICIES:
     register_policy(Policy(_name, initial_plan, owner="snip",
-                           help="SNIP" if _name == "snip" else f"SNIP's {_name} baseline"))
+                           help="SNIP" if _name == "snip" else f"SNIP's {_name} baseline",
+                           dry_run=dry_run.stand_in_plan
+                           if _name in planner.STATS_POLICIES else None))
 
 
 def snip_extension(controller: PlanController) -> Extension:
@@ -288,4 +289,4 @@ def snip_extension(controller: PlanController) -> Extension:
 
     return Extension(name="snip", add_arguments=add_arguments, validate=snip.validate,
                      after_setup=snip.after_setup, before_step=active(snip.before_step),
-                     on_step=active(snip.on_step))
+                     on_step=active(snip.on_step), dry_run_estimate=dry_run.estimate)

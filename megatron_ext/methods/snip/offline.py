@@ -6,8 +6,8 @@ of :class:`~megatron_ext.methods.snip.divergence.SiteStats` dicts), the loss, th
 hyper-parameters (``adam``) and the candidate formats per role (``candidates``) — and the run
 writes its flags to ``<run>/args.json``. From those two files this module rebuilds the
 refresh's ``problem.json`` with the same functions the run uses
-(:func:`megatron_ext.methods.snip.planner.quality_table`, :func:`~megatron_ext.methods.snip.planner.
-stage_fixed_times`, :func:`~megatron_ext.methods.snip.planner.build_problem`), so that
+(:func:`megatron_ext.methods.snip.planner.quality_table`, :func:`~megatron_ext.precision.cost.
+stage_fixed_seconds`, :func:`~megatron_ext.methods.snip.planner.build_problem`), so that
 ``tools/snip_analyze.py --stats`` and ``tools/tune_precision.py`` can re-plan for another
 budget, policy or **pipeline layout** (a what-if: the statistics do not depend on it).
 
@@ -26,7 +26,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from megatron_ext.precision.cost import ModelShape
+from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
 from megatron_ext.sites import parse_site_id
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.methods.snip import planner
@@ -266,8 +266,7 @@ def plan_problem(refresh: Refresh, policy: str | None = None, layout: Layout = L
     weights = (run.get("snip_loss_weight", 1.0), run.get("snip_weight_weight", 1.0))
     q = planner.quality_table(policy, refresh.sites, refresh.options, refresh.loss,
                               refresh.hyper, shape, run.get("snip_seed", 0), weights)
-    fixed = planner.stage_fixed_times(shape, args.seq_length,
-                                      run.get("padded_vocab_size") or 0, layer_stage)
+    fixed = stage_fixed_seconds(shape, stage_of=layer_stage)
     meta = {"step": refresh.step, "policy": policy, "stats": refresh.stats_path,
             "pipeline_stages": shape.pipeline_stages}
     problem = planner.build_problem([s.site for s in refresh.sites], refresh.options, q,

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_ext.precision.cost import SPEED, ModelShape, gemm_class
+from megatron_ext.precision.cost import ModelShape, layer_stages, site_cost
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.sites import GEMM_ROLES, parse_site_id
+from megatron_ext.sites import parse_site_id
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.methods.snip.divergence import (Divergence, SiteStats, divergences,
                                            quantization_errors)
 from megatron_ext.methods.snip.ilp import Solution, SolverConfig, solve
 from megatron_ext.methods.snip.options import option_name
 from megatron_ext.methods.snip.problem import Option, Problem, Site
-from megatron_ext.methods.snip.synthetic import BF16_FLOPS_PER_S
 
 STATS_POLICIES = ("snip", "min-abs-err", "min-rel-err")
 """Policies that need measured statistics (a refresh)."""
@@ -42,54 +41,22 @@ STATIC_POLICIES = ("random", "e-layer-type", "e-layer-id")
 """Policies that need only the model shape."""
 
 
-def option_costs(shape: ModelShape, site: str, formats: SiteFormats) -> tuple[float, float, float]:
-    """(FP4 FLOPs, FLOPs, seconds) of one site's three GEMMs with ``formats``."""
-    n, k = shape.site_nk(site)
-    gemm = 2.0 * shape.tokens * n * k
-    fp4 = seconds = 0.0
-    for name, (a, b) in GEMM_ROLES.items():
-        cls = gemm_class(formats.operand(name, a), formats.operand(name, b))
-        fp4 += gemm if cls == "fp4" else 0.0
-        seconds += gemm / (BF16_FLOPS_PER_S * SPEED[cls])
-    return fp4, 3 * gemm, seconds
-
-
-def layer_stages(shape: ModelShape, stage_of: list[int] | None = None) -> list[int]:
-    """Pipeline stage of every layer: ``stage_of`` when given (an explicit split, e.g.
-    megatron's uneven first / last stage), else ``shape.stage_of`` (the even split)."""
-    if stage_of is None:
-        return [shape.stage_of(layer) for layer in range(shape.num_layers)]
-    if len(stage_of) != shape.num_layers or \
-            not all(0 <= k < shape.pipeline_stages for k in stage_of):
-        raise ValueError(f"stage_of must give a stage in 0..{shape.pipeline_stages - 1} for "
-                         f"each of the {shape.num_layers} layers, got {list(stage_of)}")
-    return list(stage_of)
-
-
-def stage_fixed_times(shape: ModelShape, seq_length: int, vocab: int,
-                      stage_of: list[int] | None = None) -> list[float]:
-    """Per stage: attention core of its layers, plus the output layer on the last (BF16);
-    ``stage_of`` as in :func:`layer_stages`."""
-    flops = [0.0] * shape.pipeline_stages
-    for stage in layer_stages(shape, stage_of):
-        flops[stage] += 3 * 2 * shape.tokens * seq_length * shape.hidden_size
-    flops[-1] += 3 * 2 * shape.tokens * vocab * shape.hidden_size
-    return [f / BF16_FLOPS_PER_S for f in flops]
-
-
 def build_problem(sites: list[str], options: list[SiteFormats], q: np.ndarray,
                   shape: ModelShape, fixed: list[float], meta: dict | None = None,
                   stage_of: list[int] | None = None) -> Problem:
-    """The ILP instance for ``q[site, option]`` (``problem.json`` of a refresh);
-    ``stage_of`` as in :func:`layer_stages`."""
+    """The ILP instance for ``q[site, option]`` (``problem.json`` of a refresh): each option's
+    FLOPs and time from the cost model (:func:`~megatron_ext.precision.cost.site_cost`),
+    ``fixed`` from :func:`~megatron_ext.precision.cost.stage_fixed_seconds`; ``stage_of`` as in
+    :func:`~megatron_ext.precision.cost.layer_stages`."""
     stages = layer_stages(shape, stage_of)
     out = []
     for i, sid in enumerate(sites):
         layer, name = parse_site_id(sid)
         opts = []
         for j, fmt in enumerate(options):
-            fp4, flops, seconds = option_costs(shape, name, fmt)
-            opts.append(Option(option_name(fmt), float(q[i, j]), fp4, flops, seconds))
+            cost = site_cost(shape, name, fmt)
+            opts.append(Option(option_name(fmt), float(q[i, j]), cost.fp4_flops, cost.flops,
+                               cost.seconds))
         out.append(Site(sid, stages[layer], tuple(opts)))
     return Problem(tuple(out), shape.pipeline_stages, tuple(fixed), meta=meta or {})
 
@@ -114,8 +81,8 @@ def divergence_q(table: list[list[Divergence]]) -> np.ndarray:
 def _static_table(policy: str, options: list[SiteFormats], shape: ModelShape,
                   seed: int) -> np.ndarray:
     layers, names = shape.num_layers, ("qkv", "proj", "fc1", "fc2")
-    share = np.array([option_costs(shape, "qkv", o)[0] / option_costs(shape, "qkv", o)[1]
-                      for o in options])
+    costs = [site_cost(shape, "qkv", o) for o in options]
+    share = np.array([c.fp4_flops / c.flops for c in costs])
     if policy == "random":
         rng = np.random.default_rng(seed)
         return rng.random((layers * len(names), len(options))) * (share + 1e-3)

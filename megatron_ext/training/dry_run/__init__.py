@@ -12,10 +12,13 @@ takes the flags of a real job and, without torchrun, GPUs, data or checkpoints:
 2. builds every pipeline stage's real megatron-core model on the meta device, in a fake
    one-process world of that size (:mod:`.meta`) — this validates the layout the way
    megatron does and counts each stage's parameters;
-3. estimates per stage the memory of one GPU, the time of one micro-batch under the current
-   precision plan, and the pipeline bubble (:mod:`.estimates`, formulas and sources there);
-4. solves SNIP's ILP for this exact shape with synthetic statistics, timing the solve, and
-   sizes SNIP's per-refresh statistics and collectives (:mod:`.snip`);
+3. estimates per stage the memory of one GPU and the pipeline bubble (:mod:`.estimates`,
+   formulas and sources there);
+4. asks every extension for its part of the report (``Extension.dry_run_estimate``,
+   :mod:`.parts`): the precision platform's gives each stage's linear FLOPs, FP4 share and
+   time of one micro-batch under the plan the run would start with (the step time and
+   tokens/s follow from those); SNIP's solves its ILP for this exact shape with synthetic
+   statistics and sizes a refresh. Without an extension that estimates times there is none;
 5. prints a table (:mod:`.report`) and, with ``--dry-run-json PATH``, writes it as JSON.
 
 A dry run simulates the GPU job: ``--bf16`` defaults to on (the GPU default) unless given.
@@ -29,6 +32,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_ext.errors import UsageError
+from megatron_ext.io import write_text_atomic
 
 DEFAULT_GPU_GIB = 80.0
 """Memory of one GPU the stages are compared with (H100 SXM 80 GB)."""
@@ -40,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("dry run (check the layout and estimate; starts nothing)")
     g.add_argument("--dry-run", action="store_true",
                    help="build every pipeline stage on the meta device in one process for the "
-                        "world TP*PP*DP (--data-parallel-size), print per-stage parameters, "
-                        "memory, time and SNIP's ILP solve, then exit (docs/dry_run.md)")
+                        "world TP*PP*DP (--data-parallel-size), print per-stage parameters and "
+                        "memory and what each extension estimates (time under the precision "
+                        "plan, SNIP's ILP solve), then exit (docs/dry_run.md)")
     g.add_argument("--dry-run-json", default=None, metavar="PATH",
                    help="with --dry-run: also write the report as JSON to PATH")
     g.add_argument("--dry-run-gpu-memory-gib", type=float, default=DEFAULT_GPU_GIB,
@@ -90,14 +95,15 @@ def request(family: str, argv, provider) -> DryRunRequest | None:
 
 
 def run(args, req: DryRunRequest, extensions=()):
-    """Build, estimate, solve, report (module docstring); returns the ``DryRunReport``."""
+    """Build, estimate, ask ``extensions``, report (module docstring); returns the
+    ``DryRunReport``."""
     from megatron_ext.training.distributed import resolve_launch
     from megatron_ext.training.dry_run.assemble import assemble
     from megatron_ext.training.dry_run.report import format_report
 
     if req.bf16 is None:
         args.bf16 = True
-    report = assemble(args, req)
+    report = assemble(args, req, extensions)
     if resolve_launch().rank == 0:
         print(format_report(report), flush=True)
         if args.dry_run_json:
@@ -108,7 +114,6 @@ def run(args, req: DryRunRequest, extensions=()):
 def _write(path: str, text: str) -> None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        write_text_atomic(path, text + "\n")
     except OSError as exc:
         raise UsageError(f"--dry-run-json: cannot write '{path}': {exc.strerror}") from None

@@ -1,15 +1,13 @@
-"""Put a dry run together: vocabulary, stages on meta, estimates, the plan, SNIP's ILP."""
+"""Put a dry run together: vocabulary, stages on meta, estimates, the extensions' parts."""
 
 from __future__ import annotations
 
 import time
 
-from megatron_ext.precision.cost import ModelShape, flop_report
-from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.training.dry_run import estimates as est
 from megatron_ext.training.dry_run.meta import StageParams, build_stages
-from megatron_ext.training.dry_run.report import DryRunReport, StageReport
-from megatron_ext.training.dry_run.snip import plan_from_choice, snip_sizes, solve_for_shape
+from megatron_ext.training.dry_run.parts import DryRunContext, collect, extra_memory, stage_times
+from megatron_ext.training.dry_run.report import REPORT_KEYS, DryRunReport, StageReport
 from megatron_ext.errors import UsageError
 
 
@@ -31,27 +29,6 @@ def unpadded_vocab(args) -> int:
         raise UsageError(str(exc).splitlines()[0]) from None
 
 
-def current_plan(args, choice: dict[str, str], budget: float):
-    """The plan the times assume: None without precision flags; for ``--precision snip`` the
-    ILP's plan; for a policy that needs training to decide (SNIP's baselines) the ILP's plan
-    at the same budget stands in; else the flags' plan."""
-    from megatron_ext.precision.controller import compose
-    from megatron_ext.precision.plan import load_plan
-    from megatron_ext.precision.policies import keep_overlay, make_plan
-
-    spec = getattr(args, "precision", None)
-    if not (spec or getattr(args, "precision_plan", None)):
-        return None
-    if spec and spec.partition(":")[0] == "snip":
-        return plan_from_choice(choice, budget)
-    try:
-        plan = make_plan(spec, args) if spec else load_plan(args.precision_plan)
-    except ValueError:  # validated by its extension, so a policy only a training run can run
-        return plan_from_choice(choice, budget).replace(
-            method=f"{spec}: stood in for by the SNIP ILP plan at budget {budget:g}")
-    return compose(plan, [keep_overlay(args.keep_first_last_layers_bf16, args.num_layers)])
-
-
 def _check_impl(args) -> None:
     """What ``model.resolve_transformer_impl`` would refuse on the GPU job."""
     per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
@@ -60,15 +37,13 @@ def _check_impl(args) -> None:
                          "per-layer precision needs --transformer-impl local")
 
 
-def _stage(args, p: StageParams, layout, shape, vocab, formats_of, fp4) -> StageReport:
+def _stage(args, p: StageParams, layout, vocab: int, extra: float,
+           seconds: float | None) -> StageReport:
     w, g, o = est.model_state_bytes(p.per_gpu, layout)
     act = est.activation_bytes(p.stage, len(p.layers), args.hidden_size,
                                args.num_attention_heads, vocab, layout)
-    seconds = est.stage_seconds(formats_of, shape, p.layers, vocab, p.post_process, layout,
-                                args.dry_run_bf16_tflops * 1e12)
-    flops = est.linear_flops(shape, p.layers, args.global_batch_size * args.seq_length)
-    return StageReport(p, 4 * len(p.layers), flops, fp4, est.Memory(w, g, o, act),
-                       est.in_flight(p.stage, layout), seconds)
+    return StageReport(p, est.Memory(w, g, o, act, extra), est.in_flight(p.stage, layout),
+                       seconds)
 
 
 def _header(args, layout) -> str:
@@ -81,29 +56,29 @@ def _header(args, layout) -> str:
             + (", SP" if layout.sequence_parallel else ""))
 
 
-def assemble(args, req) -> DryRunReport:
+def assemble(args, req, extensions=()) -> DryRunReport:
     """Every number of the report (see the package docstring)."""
     from megatron_ext.training import model
 
     _check_impl(args)
     padded = model.padded_vocab_size(unpadded_vocab(args), args)
-    layout, shape = est.Layout.from_args(args), ModelShape.from_args(args)
+    layout = est.Layout.from_args(args)
     start = time.perf_counter()
     stages = build_stages(args, padded)
     build_seconds = time.perf_counter() - start
-    ilp, choice = solve_for_shape(args, padded)
-    plan = current_plan(args, choice, ilp.budget)
-    formats_of = plan.formats if plan is not None else (lambda sid: SiteFormats())
-    fp4 = [f["fp4"] for f in flop_report(formats_of, shape).stage_fractions]
-    reports = [_stage(args, p, layout, shape, padded, formats_of, fp4[p.stage]) for p in stages]
-    step = est.step_time([r.seconds for r in reports], layout)
+    context = DryRunContext(layout, tuple(stages), padded, args.dry_run_bf16_tflops * 1e12)
+    parts = collect(list(extensions), args, context, REPORT_KEYS)
+    times = stage_times(parts)
+    seconds = list(times.seconds) if times else [None] * len(stages)
+    reports = [_stage(args, p, layout, padded, extra_memory(parts, p.stage), seconds[p.stage])
+               for p in stages]
+    step = est.step_time(seconds, layout) if times else None
     total = sum(p.distinct - p.shared for p in stages)
     return DryRunReport(
-        _header(args, layout), total, reports,
-        plan.method if plan is not None else "none: BF16 GEMMs", est.bubble_fraction(layout),
-        step, args.global_batch_size * args.seq_length / step,
-        args.dry_run_gpu_memory_gib * est.GIB, build_seconds, snip_sizes(args), ilp,
-        _notes(args, req, layout, padded))
+        _header(args, layout), total, reports, est.bubble_fraction(layout), step,
+        args.global_batch_size * args.seq_length / step if times else None,
+        args.dry_run_gpu_memory_gib * est.GIB, build_seconds,
+        _notes(args, req, layout, padded, parts), parts)
 
 
 def _activation_formula(layout) -> str:
@@ -113,8 +88,10 @@ def _activation_formula(layout) -> str:
     return "s·b·h·(10 + 24/t" + ("" if layout.flash_attention else " + 5·a·s/(h·t)") + ")"
 
 
-def _notes(args, req, layout, vocab: int) -> list[str]:
-    """Assumptions behind the numbers, one line each (formulas: ``estimates.py``)."""
+def _notes(args, req, layout, vocab: int, parts) -> list[str]:
+    """Assumptions behind the numbers, one line each (formulas: ``estimates.py``), then the
+    parts' notes."""
+    times = stage_times(parts)
     per_layer = est.layer_activation_bytes(args.hidden_size, args.num_attention_heads, layout)
     zero = f" / DP {layout.dp}" if layout.distributed_optimizer or layout.fsdp else ""
     impl = est.assumed_impl(args)
@@ -137,10 +114,9 @@ def _notes(args, req, layout, vocab: int) -> list[str]:
         f"{per_layer / est.GIB:.2f} GiB per layer per micro-batch, {attention}; 'mb' = "
         f"micro-batches held at the {'interleaved ' if layout.vp > 1 else ''}1F1B peak; the "
         f"last stage adds FP32 logits 4·s·b·v/t",
-        f"time: 't/mb' = forward + backward of one micro-batch on one GPU at "
-        f"{args.dry_run_bf16_tflops:g} TFLOP/s BF16 (FP8 2x, FP4 4x), attention core "
-        f"6·b·s²·h per layer, output layer 6·s·b·v·h, no communication: a lower bound; "
-        f"step = (v·m + p - 1)·max(t/mb)/v, bubble (p - 1)/(v·m + p - 1)",
+        (f"time: 't/mb' = {times.how}; step = (v·m + p - 1)·max(t/mb)/v, " if times
+         else "time: ") + "bubble (p - 1)/(v·m + p - 1)",
+        *(note for part in parts.values() for note in part.notes),
     ]
     if req.bf16 is None:
         out.append("--bf16 not given: on, the GPU job's default")

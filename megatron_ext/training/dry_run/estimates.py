@@ -1,4 +1,4 @@
-"""Back-of-the-envelope numbers for one GPU of a pipeline stage: memory, time, bubble.
+"""Back-of-the-envelope numbers for one GPU of a pipeline stage: memory, the step, the bubble.
 
 Every number is an *estimate* from closed forms, meant to catch a layout that cannot fit or
 a stage that is far slower than the others before 64 GPUs are queued; none is measured.
@@ -45,16 +45,11 @@ forwards of one chunk (``L/(p·v)`` layers) each and holds ``min(that + 1, m·v)
 
 Time
 ----
-FLOPs of a GEMM are ``2·T·N·K``; a linear site runs three (fprop, dgrad, wgrad) at the rate
-of its class in the precision plan (``megatron_ext/precision/cost.py``: BF16 ``R``, FP8
-``2R``, FP4 ``4R``). Per micro-batch (``T = s·b`` tokens) one GPU of stage ``k`` spends::
-
-    t_k = [ Σ_sites Σ_gemms 2·T·N·K / speed(class)  +  L_k · 6·b·s²·h  +  [last] 6·T·v·h ] / (t·R)
-
-the middle term being the attention core (QKᵀ and PV, causal half, forward and backward,
-BF16) and the last the output layer. Peak rate, no communication, no kernel overheads: a
-lower bound. The pipeline (Narayanan et al. 2021, "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM", arXiv:2104.04473, §2.2) takes::
+Per-stage times ``t_k`` (forward + backward of one micro-batch on one GPU of stage ``k``)
+come from the extension that estimates them — the precision platform, from its cost model
+under the plan the run would start with (``megatron_ext/precision/dry_run.py``). The pipeline
+(Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", arXiv:2104.04473, §2.2) then takes::
 
     1F1B          step = (m + p − 1) · max_k t_k         bubble = (p − 1) / (m + p − 1)
     interleaved   step = (v·m + p − 1) · max_k t_k / v   bubble = (p − 1) / (v·m + p − 1)
@@ -63,9 +58,6 @@ Training on GPU Clusters Using Megatron-LM", arXiv:2104.04473, §2.2) takes::
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from megatron_ext.precision.cost import SPEED, ModelShape, gemm_class
-from megatron_ext.sites import GEMM_ROLES, SITES, site_id
 
 GIB = 2.0**30
 """Bytes in a GiB."""
@@ -133,10 +125,12 @@ class Memory:
     """Adam m, v and the FP32 main parameters (sharded by the distributed optimizer)."""
     activations: float
     """Activations kept for backward at the schedule's peak, plus the last stage's logits."""
+    extra: float = 0.0
+    """What extensions add (their dry-run parts' ``memory``)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.extra
 
 
 def model_state_bytes(params: int, layout: Layout) -> tuple[float, float, float]:
@@ -188,33 +182,3 @@ def step_time(stage_times: list[float], layout: Layout) -> float:
     """Seconds per step from per-micro-batch stage times: (v·m + p − 1) · max t_k / v."""
     v = layout.vp
     return (v * layout.micro_batches + layout.pp - 1) * max(stage_times) / v
-
-
-def linear_flops(shape: ModelShape, layers, tokens: int) -> float:
-    """FLOPs of the linear sites of ``layers`` for ``tokens`` tokens: Σ 3 · 2·T·N·K."""
-    per_layer = sum(6.0 * tokens * n * k for n, k in map(shape.site_nk, SITES))
-    return per_layer * len(layers)
-
-
-def _linear_bf16_equivalent_flops(formats_of, shape: ModelShape, layers, tokens: int) -> float:
-    """Σ 2·T·N·K / speed(class) over the GEMMs of ``layers``, in BF16-FLOP units."""
-    total = 0.0
-    for layer in layers:
-        for site in SITES:
-            n, k = shape.site_nk(site)
-            formats = formats_of(site_id(layer, site))
-            for gemm, (a, b) in GEMM_ROLES.items():
-                cls = gemm_class(formats.operand(gemm, a), formats.operand(gemm, b))
-                total += 2.0 * tokens * n * k / SPEED[cls]
-    return total
-
-
-def stage_seconds(formats_of, shape: ModelShape, layers, vocab: int, last: bool,
-                  layout: Layout, bf16_flops: float) -> float:
-    """t_k: one micro-batch's forward and backward on one GPU of a stage (module docstring)."""
-    b, s, h = layout.micro_batch, layout.seq, shape.hidden_size
-    work = _linear_bf16_equivalent_flops(formats_of, shape, layers, s * b)
-    work += len(layers) * 6.0 * b * s * s * h
-    if last:
-        work += 6.0 * s * b * vocab * h
-    return work / (layout.tp * bf16_flops)

@@ -6,9 +6,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from megatron_ext.extension import DryRunPart, StageTimes
 from megatron_ext.training.dry_run.estimates import GIB, Memory
 from megatron_ext.training.dry_run.meta import StageParams
-from megatron_ext.training.dry_run.snip import IlpRun, SnipSizes
+from megatron_ext.training.dry_run.parts import stage_times
 
 
 @dataclass(frozen=True)
@@ -17,18 +18,13 @@ class StageReport:
 
     params: StageParams
     """Parameter counts from the stage's megatron modules (built on the meta device)."""
-    sites: int
-    """Linear GEMM sites (4 per layer)."""
-    linear_flops: float
-    """Linear-site FLOPs of one training step, all of the stage's GPUs together."""
-    fp4_fraction: float
-    """FP4 share of those FLOPs under the plan the times use."""
     memory: Memory
     """Estimated memory of one GPU (bytes)."""
     in_flight: int
     """Chunk-micro-batches whose activations the GPU holds at the schedule's peak."""
-    seconds: float
-    """Estimated forward + backward time of one micro-batch on one GPU (peak rate)."""
+    seconds: float | None
+    """Estimated forward + backward time of one micro-batch on one GPU (peak rate), or None
+    without an extension that estimates times."""
 
 
 @dataclass(frozen=True)
@@ -41,33 +37,51 @@ class DryRunReport:
     """Distinct parameters of the model (tied copies counted once)."""
     stages: list[StageReport]
     """Per pipeline stage."""
-    plan: str
-    """The precision plan the times and FP4 fractions assume."""
     bubble: float
     """Pipeline bubble fraction of a step."""
-    step_seconds: float
-    """Estimated step time (slowest stage, schedule, peak rate)."""
-    tokens_per_second: float
-    """Global batch tokens / step time."""
+    step_seconds: float | None
+    """Estimated step time (slowest stage, schedule, peak rate), or None without times."""
+    tokens_per_second: float | None
+    """Global batch tokens / step time, or None without times."""
     gpu_bytes: float
     """Memory of one GPU (``--dry-run-gpu-memory-gib``) the stages are compared with."""
     build_seconds: float
     """Wall seconds to build every stage on the meta device."""
-    snip: SnipSizes
-    """SNIP's per-refresh statistics and collectives."""
-    ilp: IlpRun
-    """SNIP's ILP solved for this shape with synthetic statistics."""
     notes: list[str]
     """Assumptions and formulas, one line each."""
+    parts: dict[str, DryRunPart]
+    """What each extension added, by extension name (columns, lines, times, JSON)."""
+
+    @property
+    def times(self) -> StageTimes | None:
+        """The per-stage times of the one part that gives them, or None."""
+        return stage_times(self.parts)
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        for stage, report in zip(out["stages"], self.stages):
-            stage["memory"]["total"] = report.memory.total
-        return out
+        """The report's numbers, each part's ``stage_json`` and ``json`` merged in."""
+        stages = []
+        for k, s in enumerate(self.stages):
+            stage = {"params": dataclasses.asdict(s.params)}
+            for part in self.parts.values():
+                stage.update(part.stage_json[k] if part.stage_json else {})
+            memory = {**dataclasses.asdict(s.memory), "total": s.memory.total}
+            stages.append({**stage, "memory": memory, "in_flight": s.in_flight,
+                           "seconds": s.seconds})
+        out = {"header": self.header, "total_params": self.total_params, "stages": stages,
+               "bubble": self.bubble, "step_seconds": self.step_seconds,
+               "tokens_per_second": self.tokens_per_second, "gpu_bytes": self.gpu_bytes,
+               "build_seconds": self.build_seconds}
+        for part in self.parts.values():
+            out.update(part.json)
+        return {**out, "notes": self.notes}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+REPORT_KEYS = ("header", "total_params", "stages", "bubble", "step_seconds",
+               "tokens_per_second", "gpu_bytes", "build_seconds", "notes")
+"""Top-level JSON keys of the report itself (a part may not add them)."""
 
 
 def _count(n: float) -> str:
@@ -88,19 +102,30 @@ def _layers(layers: tuple[int, ...]) -> str:
     return ",".join(runs)
 
 
-COLUMNS = ("stage", "layers", "params/GPU", "params", "sites", "lin PFLOP", "FP4",
-           "weights", "grads", "optim", "activ", "total GiB", "mb", "t/mb ms")
-"""Table columns: memory in GiB per GPU; PFLOP per step for the whole stage."""
+def _has_extra(r: DryRunReport) -> bool:
+    return any(s.memory.extra for s in r.stages)
 
 
-def _row(s: StageReport, limit: float) -> list[str]:
+def _columns(r: DryRunReport) -> list[str]:
+    """Table columns: memory in GiB per GPU; parts' columns after the parameter counts."""
+    extra = ["extra"] if _has_extra(r) else []
+    return ["stage", "layers", "params/GPU", "params",
+            *(c for part in r.parts.values() for c in part.columns),
+            "weights", "grads", "optim", "activ", *extra, "total GiB", "mb",
+            *(["t/mb ms"] if r.times else [])]
+
+
+def _row(r: DryRunReport, k: int) -> list[str]:
+    s, limit = r.stages[k], r.gpu_bytes
     m = s.memory
     over = " !" if m.total > limit else ""
+    extra = [m.extra] if _has_extra(r) else []
     return [str(s.params.stage), _layers(s.params.layers), _count(s.params.per_gpu),
-            _count(s.params.distinct), str(s.sites), f"{s.linear_flops / 1e15:.1f}",
-            f"{100 * s.fp4_fraction:.0f}%", *(f"{x / GIB:.1f}" for x in
-            (m.weights, m.grads, m.optimizer, m.activations)), f"{m.total / GIB:.1f}{over}",
-            str(s.in_flight), f"{1e3 * s.seconds:.3g}"]
+            _count(s.params.distinct),
+            *(c for part in r.parts.values() if part.columns for c in part.cells[k]),
+            *(f"{x / GIB:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations, *extra)),
+            f"{m.total / GIB:.1f}{over}", str(s.in_flight),
+            *([f"{1e3 * s.seconds:.3g}"] if r.times else [])]
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -108,29 +133,27 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _time_line(r: DryRunReport) -> str:
+    bubble = f"bubble {100 * r.bubble:.2f}%"
+    if r.times is None:
+        return (f"time: no estimate (no extension estimates stage times; the precision "
+                f"platform's does), {bubble}")
+    return (f"time ({r.times.basis}): step {r.step_seconds:.2f} s, {bubble}, "
+            f"{r.tokens_per_second:,.0f} tokens/s")
+
+
 def _summary(r: DryRunReport) -> list[str]:
     over = [s.params.stage for s in r.stages if s.memory.total > r.gpu_bytes]
     fit = (f"stages {over} exceed {r.gpu_bytes / GIB:.0f} GiB (marked !)" if over
            else f"every stage fits in {r.gpu_bytes / GIB:.0f} GiB")
-    ilp, snip = r.ilp, r.snip
     return [
         f"parameters: {r.total_params:,} ({_count(r.total_params)}; {len(r.stages)} stages "
         f"built on the meta device in {r.build_seconds:.1f} s); memory: {fit}",
-        f"time (plan {r.plan}): step {r.step_seconds:.2f} s, bubble {100 * r.bubble:.2f}%, "
-        f"{r.tokens_per_second:,.0f} tokens/s",
-        f"SNIP refresh: {snip.sites} sites x {snip.options} options; statistics per GPU "
-        f"{snip.stage_scalars[0] * 4:,} B (TP all-reduce, DP all-reduce of that size), PP "
-        f"gather {snip.gathered_bytes:,} B to the solver, plan broadcast {snip.plan_bytes:,} B",
-        f"SNIP ILP (synthetic statistics, budget {ilp.budget:g}, stage balance "
-        f"{ilp.stage_balance}): {ilp.status} in {ilp.solve_time:.2f} s, {ilp.variables:,} "
-        f"variables ({ilp.pruned:,} pruned), FP4 {ilp.fp4_fraction:.3f}, per stage "
-        f"[{', '.join(f'{f:.2f}' for f in ilp.stage_fp4_fraction)}], objective "
-        f"{ilp.objective:.1f}",
-    ]
+        _time_line(r), *(line for part in r.parts.values() for line in part.lines)]
 
 
 def format_report(r: DryRunReport) -> str:
     """The human-readable report: header, stage table, summary, assumptions."""
-    rows = [list(COLUMNS)] + [_row(s, r.gpu_bytes) for s in r.stages]
+    rows = [_columns(r)] + [_row(r, k) for k in range(len(r.stages))]
     lines = [r.header, *_table(rows), *_summary(r)]
     return "\n".join(lines + [f"  note: {n}" for n in r.notes])

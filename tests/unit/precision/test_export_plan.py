@@ -19,7 +19,6 @@ from megatron.core.extensions import transformer_engine as mcore_te
 from megatron.core.quantization.quant_config import RecipeConfig
 from megatron.core.quantization.utils import get_quant_config_or_none
 
-from megatron_ext.precision import te
 from megatron_ext.precision.plan import PrecisionPlan, save_plan
 from megatron_ext.precision.controller import compose
 from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
@@ -194,15 +193,6 @@ def test_each_row_builds_the_te_recipe_it_names(recipe, tmp_path, monkeypatch):
     # megatron builds NVFP4 with TE's defaults (E2M1 is its only format)
     expected = {} if fmt == "E2M1" else {"fp8_format": getattr(te.common.recipe.Format, fmt)}
     assert built.call_args.kwargs == expected
-
-
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.key)
-def test_table_agrees_with_the_hand_written_gpu_path(recipe):
-    got = te.recipe_for(SiteFormats(*recipe.formats), (10, 0))
-    if recipe.key == "fp8_blockwise_hybrid":  # TE has it; precision/te.py's table does not yet
-        assert got is None
-    else:
-        assert f"{got.name}({got.fmt})" == recipe.te_recipe
 
 
 def test_write_is_atomic(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_ext.precision.cost import ModelShape, flop_report, gemm_class
+from megatron_ext.precision.cost import (ModelShape, flop_report, gemm_class, site_cost,
+                                        stage_fixed_seconds, stage_seconds)
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.precision.sites import SiteFormats
@@ -64,3 +65,37 @@ def test_single_stage_metrics_have_no_stage_keys():
     report = flop_report(lambda sid: UNIFORM["fp8"], ModelShape(2, 4, 6, 2, 1, False, 10))
     assert report.metrics() == {"fp4_flop_frac": 0.0, "fp8_flop_frac": 1.0,
                                 "bf16_flop_frac": 0.0, "gemm_time_vs_bf16": 0.5}
+
+
+def test_site_times_follow_the_wider_operand():
+    """L0.qkv of PLAN: fprop FP4, dgrad and wgrad FP8; each GEMM 2*10*8*4 = 640 FLOPs."""
+    cost = site_cost(SHAPE, "qkv", PLAN.formats("L0.qkv"), bf16_flops_per_s=100.0)
+    assert cost.classes == ("fp4", "fp8", "fp8")
+    assert (cost.gemm_flops, cost.flops, cost.fp4_flops) == (640, 1920, 640)
+    assert cost.seconds == pytest.approx(640 / 400 + 2 * 640 / 200)
+    bf16 = site_cost(SHAPE, "fc2", SiteFormats(), bf16_flops_per_s=100.0)  # (4, 6): 480
+    assert bf16.classes == ("bf16",) * 3 and bf16.seconds == pytest.approx(3 * 480 / 100)
+
+
+def test_fixed_time_is_attention_core_per_layer_and_output_layer_on_the_last_stage():
+    # 6*T*s*h = 6*10*5*4 = 1200 per layer; 6*T*v*h = 6*10*7*4 = 1680 on the last stage
+    shape = ModelShape(3, 4, 6, 2, 1, True, 10, pipeline_stages=2, seq_length=5, vocab_size=7)
+    assert stage_fixed_seconds(shape, 10.0, stage_of=[0, 0, 1]) == \
+        pytest.approx([2 * 120, 120 + 168])
+    plain = ModelShape(2, 4, 6, 2, 1, True, 10, pipeline_stages=2, seq_length=5)
+    assert stage_fixed_seconds(plain, 10.0) == pytest.approx([120, 120])  # no vocab: no output
+    with pytest.raises(ValueError, match="stage_of must give a stage"):
+        stage_fixed_seconds(shape, 10.0, stage_of=[0, 2, 1])
+
+
+def test_stage_seconds_add_gemm_and_fixed_times():
+    shape = ModelShape(2, 4, 6, 2, 1, True, 10, pipeline_stages=2, seq_length=5, vocab_size=7)
+    # stage 0 (L0): fp4 3520, fp8 1280, bf16 2400 FLOPs; stage 1 (L1): fp8 6720, bf16 480
+    gemm = [3520 / 4 + 1280 / 2 + 2400, 6720 / 2 + 480]
+    fixed = [1200, 1200 + 1680]
+    assert stage_seconds(PLAN.formats, shape, 1.0) == \
+        pytest.approx([g + f for g, f in zip(gemm, fixed)])
+    report = flop_report(PLAN.formats, shape)
+    assert report.stage_flops == [7200, 7200]
+    swapped = flop_report(PLAN.formats, shape, stage_of=[1, 0])  # an explicit split
+    assert swapped.stage_fractions[1]["fp4"] == pytest.approx(3520 / 7200)

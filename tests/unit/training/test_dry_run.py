@@ -14,10 +14,8 @@ import torch.distributed as dist
 
 from pretrain_runner import launch
 from megatron_ext.compat import cpu
-from megatron_ext.precision.extension import precision_extension
+from megatron_ext.defaults import default_extensions
 from megatron_ext.training.dry_run import estimates as est
-from megatron_ext.training.dry_run.assemble import current_plan
-from megatron_ext.training.dry_run.snip import option_formats
 from megatron_ext.errors import UsageError
 from megatron_ext.training.pretrain import pretrain
 
@@ -34,7 +32,7 @@ def test_llama3_70b_in_one_process(tmp_path, capsys):
     out = tmp_path / "report.json"
     start = time.perf_counter()
     report = dry([*LLAMA3_70B, "--precision", "uniform:fp8", "--dry-run-json", str(out)],
-                 extensions=[precision_extension()])
+                 extensions=default_extensions())
     assert time.perf_counter() - start < 15  # ~1.5 s alone; the box is shared
     assert report.total_params == 70_553_706_496
     stages = [s.params for s in report.stages]
@@ -43,12 +41,16 @@ def test_llama3_70b_in_one_process(tmp_path, capsys):
     assert stages[0].pre_process and stages[-1].post_process
     assert stages[0].per_gpu == 2_401_927_168  # embedding + 10 layers, TP shard of 4
     assert report.bubble == pytest.approx(7 / (512 + 7))
-    assert report.ilp.status == "optimal" and report.ilp.budget == 0.5
-    assert report.plan == "uniform:fp8"
+    ilp = report.parts["snip"].json["ilp"]
+    assert ilp["status"] == "optimal" and ilp["budget"] == 0.5
+    assert report.parts["precision"].json["plan"] == "uniform:fp8"
+    assert [s.params.stage for s in report.stages] == list(range(8))
     assert not dist.is_initialized() and not cpu.is_active()
     text = capsys.readouterr().out
-    assert "70,553,706,496" in text and "SNIP ILP" in text
-    assert json.loads(out.read_text())["total_params"] == report.total_params
+    assert "70,553,706,496" in text and "SNIP ILP" in text and "t/mb ms" in text
+    saved = json.loads(out.read_text())
+    assert saved["total_params"] == report.total_params and saved["plan"] == "uniform:fp8"
+    assert saved["ilp"]["status"] == "optimal" and saved["stages"][0]["fp4_fraction"] == 0.0
 
 
 def _llama_params(L, h, F, a, g, V):
@@ -145,22 +147,6 @@ def test_in_flight_follows_megatron_warmup():
     assert [est.in_flight(k, interleaved) for k in (0, 7)] == [2 * 7 + 8 + 1, 8 + 1]
     assert est.bubble_fraction(interleaved) == pytest.approx(7 / (2 * 512 + 7))
     assert est.step_time([1.0, 2.0], _layout(pp=2, vp=1, micro_batches=4)) == 5 * 2.0
-
-
-def test_snip_options_map_to_fp4_roles():
-    formats = option_formats("fp4:x+w")
-    assert (formats.x, formats.w, formats.dy) == ("fp4_e2m1@tile128", "fp4_e2m1@block128",
-                                                  "fp8_e4m3@tile128")
-    assert option_formats("fp8").dy == "fp8_e4m3@tile128"
-    assert option_formats("fp4").dy == "fp4_e2m1@tile128+sr"
-
-
-def test_current_plan_of_snip_is_the_ilp_choice():
-    args = argparse.Namespace(precision="snip", precision_plan=None, num_layers=1)
-    plan = current_plan(args, {"L0.fc1": "fp4", "L0.fc2": "fp8"}, 0.5)
-    assert plan.formats("L0.fc1").x == "fp4_e2m1@tile128" and plan.budget == 0.5
-    assert current_plan(argparse.Namespace(precision=None, precision_plan=None), {}, 0.5) \
-        is None
 
 
 def test_auto_impl_is_resolved_as_on_a_gpu_node_with_te():

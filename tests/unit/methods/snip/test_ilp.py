@@ -16,11 +16,11 @@ from snip_reference import (
     time_bound,
 )
 
-from megatron_ext.methods.snip import ilp, incumbent, model
+from megatron_ext.methods.snip import ilp, ilp_arrays, incumbent
 from megatron_ext.methods.snip.highs import BlockResult
 from megatron_ext.methods.snip.ilp import SolverConfig, safe_plan, solve
 from megatron_ext.methods.snip.problem import Option, Problem, Site
-from megatron_ext.methods.snip.synthetic import synthetic_problem
+from megatron_ext.methods.snip.synthetic import option_name, synthetic_problem
 
 MODES = ("paper", "time", "none")
 
@@ -79,8 +79,8 @@ def test_knapsack_start_is_exact():
     for _ in range(40):
         problem = random_problem(rng, int(rng.integers(1, 7)), int(rng.integers(1, 5)), 1)
         budget = float(rng.random())
-        tab = model.tables(problem)
-        (block,) = model.blocks(problem, tab, tab.valid, budget, "none", None)
+        tab = ilp_arrays.tables(problem)
+        (block,) = ilp_arrays.blocks(problem, tab, tab.valid, budget, "none", None)
         cost = tab.q[block.site, block.option]
         pick = incumbent.knapsack(block, cost)
         expected, _ = brute_force(problem, budget, "none")
@@ -125,17 +125,18 @@ def test_pruning_start_and_warm_start_never_change_the_optimum(mode):
 def test_dominated_options_are_pruned():
     problem = synthetic_problem(4, seed=0)
     solution = solve(problem, 0.5, "paper")
-    # fp4:x, fp4:w, fp4:dy run no FP4 GEMM (dominated by fp8); two of the three two-role
-    # options tie on FP4 FLOPs and lose on q.
+    # x, w or dy alone in FP4 runs no FP4 GEMM (dominated by all-FP8); two of the three
+    # two-role options tie on FP4 FLOPs and lose on q.
     assert solution.pruned == 4 * 4 * 5
-    assert set(solution.choice.values()) <= {"fp8", "fp4", "fp4:x+w", "fp4:w+dy", "fp4:x+dy"}
+    kept = [(), ("x", "w", "dy"), ("x", "w"), ("w", "dy"), ("x", "dy")]
+    assert set(solution.choice.values()) <= {option_name(roles) for roles in kept}
 
 
 def test_warm_start_with_a_dominated_or_unknown_option_is_accepted():
     problem = synthetic_problem(4, stages=2, seed=1)
-    warm = {s.site: "fp4:x" for s in problem.sites}  # dominated by "fp8" everywhere
+    warm = {s.site: option_name(("x",)) for s in problem.sites}  # dominated everywhere
     warm["L0.qkv"] = "no-such-option"
-    warm["L99.qkv"] = "fp8"
+    warm["L99.qkv"] = option_name(())
     assert solve(problem, 0.5, "time", warm_start=warm).objective == \
         pytest.approx(solve(problem, 0.5, "time").objective, abs=1e-9)
 
@@ -165,7 +166,7 @@ def test_paper_mode_gives_small_stages_more_fp4():
 
 
 def test_budget_beyond_what_options_offer_falls_back():
-    problem = synthetic_problem(3, options=1, seed=0)  # only "fp8": no FP4 at all
+    problem = synthetic_problem(3, options=1, seed=0)  # only all-FP8: no FP4 at all
     for mode in MODES:
         with pytest.warns(RuntimeWarning):
             solution = solve(problem, 0.1, mode)
@@ -210,9 +211,9 @@ def test_time_bound_is_half_the_budget_saving_without_fixed_time():
     bare = Problem(problem.sites, problem.num_stages)
     all_fp8 = max(sum(s.options[0].time for s in bare.sites if s.stage == k) for k in (0, 1))
     for budget in (0.0, 0.3, 1.0):
-        assert model.stage_time_bound(bare, budget) == \
+        assert ilp_arrays.stage_time_bound(bare, budget) == \
             pytest.approx((1 - budget / 2) * all_fp8, rel=1e-12)
-        assert model.stage_time_bound(problem, budget) == \
+        assert ilp_arrays.stage_time_bound(problem, budget) == \
             pytest.approx(time_bound(problem, budget), rel=1e-12)
 
 
@@ -257,8 +258,9 @@ def test_synthetic_shapes():
     qkv = big.sites[0]
     assert qkv.flops == 3 * 2 * 8192 * (8192 + 2 * 8 * 128) * 8192  # 3 GEMMs of 2·T·N·K
     fractions = {o.name: o.fp4_flops / o.flops for o in qkv.options}
-    assert fractions["fp8"] == fractions["fp4:x"] == 0 and fractions["fp4"] == 1
-    assert fractions["fp4:x+w"] == pytest.approx(1 / 3)
+    assert fractions[option_name(())] == fractions[option_name(("x",))] == 0
+    assert fractions[option_name(("x", "w", "dy"))] == 1
+    assert fractions[option_name(("x", "w"))] == pytest.approx(1 / 3)
     assert big.stage_fixed_time[-1] > 0  # output layer and loss on the last stage
     with pytest.raises(ValueError, match="options"):
         synthetic_problem(2, options=9)

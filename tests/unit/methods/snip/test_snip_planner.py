@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from megatron_ext.precision.cost import ModelShape, flop_report
+from megatron_ext.precision.cost import ModelShape, flop_report, site_cost, stage_fixed_seconds
 from megatron_ext.sites import SITES
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.methods.snip import planner
@@ -40,7 +40,8 @@ def test_bad_candidates_are_refused(spec):
 def test_option_costs_follow_the_cost_model():
     """A GEMM is FP4 only with both operands FP4: all-FP4 = every FLOP, x+w only = fprop."""
     for o in OPTIONS:
-        fp4, flops, seconds = planner.option_costs(SHAPE, "fc1", o)
+        cost = site_cost(SHAPE, "fc1", o)
+        fp4, flops, seconds = cost.fp4_flops, cost.flops, cost.seconds
         report = flop_report(lambda sid, o=o: o, ModelShape(**{**SHAPE.__dict__, "num_layers": 1,
                                                                "pipeline_stages": 1}))
         site_share = fp4 / flops
@@ -96,7 +97,8 @@ def test_snip_keeps_the_sensitive_site_in_fp8():
 
 def _solve(policy, budget, seed=0, balance="paper"):
     q = planner.quality_table(policy, None, OPTIONS, shape=SHAPE, seed=seed)
-    fixed = planner.stage_fixed_times(SHAPE, 128, 1000)
+    fixed = stage_fixed_seconds(ModelShape(**{**SHAPE.__dict__, "seq_length": 128,
+                                              "vocab_size": 1000}))
     problem = planner.build_problem(SITE_IDS, OPTIONS, q, SHAPE, fixed)
     return planner.make_plan(problem, OPTIONS, policy, 0, budget, balance, SolverConfig())
 

@@ -12,7 +12,9 @@ import pytest
 
 from megatron_ext.methods.snip.ilp import solve
 from megatron_ext.methods.snip.problem import Option, Problem, Site
-from megatron_ext.methods.snip.synthetic import synthetic_problem
+from megatron_ext.methods.snip.options import parse_option_name
+from megatron_ext.methods.snip.synthetic import option_name, roles_formats, synthetic_problem
+from megatron_ext.sites import ROLES
 
 REPO = Path(__file__).resolve().parents[4]
 TOOL = REPO / "tools" / "snip_analyze.py"
@@ -48,6 +50,38 @@ def test_small_problem_defaults():
         .stage_fixed_time == (0.0, 0.0)
     assert solve(problem, 0.5, "paper").choice == {"L0.fc1": "fp4", "L1.fc1": "fp4"}
     assert solve(problem, 0.5, "none").choice == {"L0.fc1": "fp4", "L1.fc1": "fp8"}
+
+
+def test_snip_options_map_to_fp4_roles():
+    formats = roles_formats(("x", "w"))
+    assert (formats.x, formats.w, formats.dy) == ("fp4_e2m1@tile128", "fp4_e2m1@block128",
+                                                  "fp8_e4m3@tile128")
+    assert roles_formats(()).dy == "fp8_e4m3@tile128"
+    assert roles_formats(ROLES).dy == "fp4_e2m1@tile128+sr"
+    assert option_name(("x", "w")) == ("x=fp4_e2m1@tile128,w=fp4_e2m1@block128,"
+                                       "dy=fp8_e4m3@tile128")  # the spelling training uses
+    assert parse_option_name(option_name(("x", "w"))) == formats
+
+
+def test_synthetic_costs_are_the_closed_form():
+    """tinyllama (h 2048, 32 heads of 64, 4 KV groups, v 32000, T = s = 2048): qkv has
+    N = 2048 + 2*4*64 = 2560, K = 2048; an option with f FP4 GEMMs takes
+    (f/4 + (3 - f)/2) GEMMs' BF16 time; attention core 6·T·s·h per layer, output 6·T·v·h."""
+    problem = synthetic_problem(2, stages=2, shape="tinyllama")
+    gemm, rate = 2 * 2048 * 2560 * 2048, 989e12
+    options = {o.name: o for o in problem.sites[0].options}
+    for roles, fp4 in {(): 0, ROLES: 3, ("x", "w"): 1, ("dy",): 0}.items():
+        name = option_name(roles)
+        assert (options[name].fp4_flops, options[name].flops) == (fp4 * gemm, 3 * gemm)
+        assert options[name].time == pytest.approx((fp4 / 4 + (3 - fp4) / 2) * gemm / rate,
+                                                   rel=1e-15)
+    attention, output = 6 * 2048 * 2048 * 2048, 6 * 2048 * 32000 * 2048
+    assert problem.stage_fixed_time == pytest.approx((attention / rate,
+                                                      (attention + output) / rate), rel=1e-15)
+    interleaved = synthetic_problem(4, stages=2, shape="tinyllama", stage_of=[0, 1, 0, 1])
+    assert [s.stage for s in interleaved.sites[::4]] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="stage_of must give a stage"):
+        synthetic_problem(4, stages=2, stage_of=[0, 1, 2, 1])
 
 
 def _mutated(path: str, value):

@@ -1,0 +1,167 @@
+"""Cost of GaussWS on one linear layer on CPU (not a test): forward + backward time of the
+sampled linear against the plain linear at the tiny Llama's four site shapes, and the extra
+bytes per parameter.
+
+    nice -n 19 python benchmarks/gaussws_overhead.py
+    nice -n 19 python benchmarks/gaussws_overhead.py --tokens 128 --repeats 50 --json out.json
+
+Variants per site, timed interleaved in one run (so load from other jobs hits all alike),
+the fastest of ``--repeats`` rounds (on a shared machine the minimum is the stable
+statistic; the median is written to the JSON too), each a full forward + backward with
+``x``, ``w`` and the bit widths requiring gradients:
+
+* ``plain``   — ``F.linear(x, w)``;
+* ``sample``  — ``F.linear(x, GaussSample(w))``: ŵ is a new tensor autograd keeps for dgrad;
+* ``regen``   — :class:`SampledLinear`: ŵ rebuilt in the backward from the key, nothing kept;
+* ``defer``   — ``sample`` with the bit widths' gradient deferred to once per step
+  (``GaussWSWeight(defer_bits_grad=True)``): R is generated in the forward only. The
+  per-step pass (:meth:`GaussWSWeight.accumulate_bits_grad`) is timed apart (``step``).
+
+The sampled variants include the tile maxima, R's generation and (but ``defer``) its
+regeneration and eq. 3 in the backward. Bytes: ``saved`` is what autograd keeps beyond
+the existing x, w and bias (measured with saved-tensor hooks); ``state`` is b_i with its
+gradient and two AdamW moments (float32); ``transient`` is the packed R alive during a
+pass (0.5 byte per element).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megatron_ext.errors import UsageError, run_cli
+from megatron_ext.io import write_json_atomic
+from megatron_ext.methods.gaussws import (
+    GaussSample,
+    GaussWSConfig,
+    GaussWSWeight,
+    SampledLinear,
+    ShardLayout,
+    local_block_amax,
+)
+
+SITES = {"qkv": (256, 128), "proj": (128, 128), "fc1": (704, 128), "fc2": (128, 352)}
+"""(out, in) features of the tiny Llama's sites (hidden 128, 4 heads in 2 groups, FFN 352,
+SwiGLU fc1 fused)."""
+KEY = 20240607
+
+
+def parse_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=512,
+                   help="tokens per micro-batch (rows of x; default 512 = 4 x 128)")
+    p.add_argument("--repeats", type=int, default=30, help="timed rounds (default 30)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    if min(args.tokens, args.repeats, args.threads) < 1:
+        raise UsageError("--tokens, --repeats and --threads must be positive")
+    return args
+
+
+def _variants(out_f: int, in_f: int, tokens: int):
+    """name -> (run(): forward output, inputs that already exist)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, in_f, generator=gen, requires_grad=True)
+    w = torch.randn(out_f, in_f, generator=gen, requires_grad=True)
+    layout = ShardLayout.full(out_f, in_f)
+    bits = torch.full(layout.grid_shape, 6.0, requires_grad=True)
+
+    def sample():
+        amax = local_block_amax(w, layout)
+        return torch.nn.functional.linear(x, GaussSample.apply(w, bits, amax, KEY, layout))
+
+    def regen():
+        amax = local_block_amax(w, layout)
+        return SampledLinear.apply(x, w, None, bits, amax, KEY, layout, None)
+
+    def defer():
+        amax = local_block_amax(w, layout)
+        w_hat = GaussSample.apply(w, bits.detach(), amax, KEY, layout)
+        return torch.nn.functional.linear(x, w_hat)
+
+    runs = {"plain": lambda: torch.nn.functional.linear(x, w), "sample": sample, "regen": regen,
+            "defer": defer}
+    return runs, (x, w, bits), torch.randn(tokens, out_f, generator=gen)
+
+
+def _step_pass(out_f: int, in_f: int):
+    """The once-per-step eq. 3 pass of ``defer`` (returns a callable that times it)."""
+    mod = GaussWSWeight(ShardLayout.full(out_f, in_f), GaussWSConfig(("fc2",)))
+    w, w_grad = torch.randn(out_f, in_f), torch.randn(out_f, in_f)
+
+    def run():
+        start = time.perf_counter()
+        mod.accumulate_bits_grad(w, w_grad, KEY)
+        return time.perf_counter() - start
+
+    return run
+
+
+def _time(run, dy) -> float:
+    start = time.perf_counter()
+    run().backward(dy)
+    return time.perf_counter() - start
+
+
+def _saved_bytes(run, existing) -> int:
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        run()
+    owned = {t.untyped_storage().data_ptr() for t in existing}
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                if t.untyped_storage().data_ptr() not in owned}.values())
+
+
+def measure_site(out_f: int, in_f: int, args) -> dict:
+    runs, existing, dy = _variants(out_f, in_f, args.tokens)
+    timers = {name: (lambda run=run: _time(run, dy)) for name, run in runs.items()}
+    timers["step"] = _step_pass(out_f, in_f)
+    times = {name: [] for name in timers}
+    for i in range(3 + args.repeats):  # 3 warm-up rounds
+        for name, timer in timers.items():
+            elapsed = timer()
+            if i >= 3:
+                times[name].append(elapsed)
+    params = out_f * in_f
+    tiles = existing[2].numel()
+    result = {name: min(t) * 1e3 for name, t in times.items()}
+    result.update({f"{name}_median": statistics.median(t) * 1e3 for name, t in times.items()})
+    result.update({f"{name}_ratio": result[name] / result["plain"]
+                   for name in ("sample", "regen", "defer")})
+    result.update({f"{name}_saved_B_per_param": _saved_bytes(run, existing) / params
+                   for name, run in runs.items() if name != "plain"})
+    result["state_B_per_param"] = tiles * 4 * 4 / params
+    result["transient_B_per_param"] = -(-in_f // 8) * 4 * out_f / params
+    return result
+
+
+def run(argv) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = {site: measure_site(*shape, args) for site, shape in SITES.items()}
+    print(f"tokens {args.tokens}, {args.repeats} rounds, {args.threads} thread(s); ms per "
+          "forward+backward (fastest round), ratio to plain; bytes per parameter")
+    names = ("plain", "sample", "regen", "defer", "step")
+    print(f"{'site':5}" + "".join(f"{n:>8}" for n in names) + "  x sample  x regen  x defer"
+          "  saved(sample) saved(regen) state transient")
+    for site, r in results.items():
+        print(f"{site:5}" + "".join(f"{r[n]:8.3f}" for n in names)
+              + "".join(f"{r[f'{n}_ratio']:9.2f}" for n in ("sample", "regen", "defer"))
+              + f"{r['sample_saved_B_per_param']:15.3f}{r['regen_saved_B_per_param']:13.4f}"
+              f"{r['state_B_per_param']:7.4f}{r['transient_B_per_param']:10.3f}")
+    for group, sites in (("od", ("proj", "fc2")), ("all", tuple(SITES))):
+        plain = sum(results[s]["plain"] for s in sites)
+        ratios = {n: sum(results[s][n] for s in sites) / plain for n in ("regen", "defer")}
+        print(f"[{group}] sampled sites' linear time / plain: regen {ratios['regen']:.2f}, "
+              f"defer {ratios['defer']:.2f} (+ one step pass per optimizer step)")
+    if args.json:
+        write_json_atomic(args.json, {"args": vars(args), "sites": results})
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(run))

@@ -1,0 +1,103 @@
+"""The results of a finished grid as one JSON-ready mapping (``OUT/results.json``).
+
+Layout (seeds are JSON object keys, so strings)::
+
+    {"version": 1,
+     "grid": {"entry", "base_flags", "seeds", "reference", "group_by", "runs": {name: flags}},
+     "runs": {name: {
+         "flags": [...], "group": "0.5" | null, "rank": 1,
+         "seeds": {"1234": {"val_loss", "train_iters", "fp4_flop_frac",
+                            "fp4_flop_frac_mean", "gemm_time_vs_bf16"}},
+         "val_loss": {"mean", "se"},
+         "fp4_flop_frac", "fp4_flop_frac_mean", "gemm_time_vs_bf16", "gemm_time_saving",
+         "vs_reference": {"diffs": {"1234": d}, "mean", "se", "z", "rel_pct"} | null}},
+     "groups": [{"group": "0.5" | null, "ranking": [names, best first],
+                 "margin": {"runner_up", "best", "mean", "se", "z"} | null,
+                 "best_per_seed": {"1234": name}}]}
+
+``fp4_flop_frac`` is the final plan's FP4 share of the linear-layer FLOPs, ``..._mean`` its
+mean over the logged steps, ``gemm_time_vs_bf16`` the cost model's GEMM time relative to
+all-BF16 (mean over the logged steps) and ``gemm_time_saving`` one minus it; all four are
+means over the seeds. ``vs_reference`` is the paired difference run - reference
+(:mod:`.stats`), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
+paired difference runner-up - best of a group (how clearly the best one leads) and
+``best_per_seed`` the group's lowest loss on each seed (a tie: the first in config order).
+"""
+
+from __future__ import annotations
+
+from megatron_ext.compare.grid import Grid, RunSpec
+from megatron_ext.compare.jobs import RunMetrics
+from megatron_ext.compare.stats import Paired, mean, paired, ranks, standard_error
+
+Metrics = dict[tuple[str, int], RunMetrics]
+"""(run name, seed) -> the job's metrics."""
+
+
+def losses(metrics: Metrics, name: str, seeds) -> dict[int, float]:
+    """Seed -> final validation loss of run ``name``."""
+    return {s: metrics[name, s].val_loss for s in seeds}
+
+
+def _paired_json(p: Paired) -> dict:
+    return {"diffs": {str(s): d for s, d in p.diffs.items()}, "mean": p.mean, "se": p.se,
+            "z": p.z}
+
+
+def _seed_json(m: RunMetrics) -> dict:
+    return {"val_loss": m.val_loss, "train_iters": m.train_iters, "fp4_flop_frac": m.fp4_final,
+            "fp4_flop_frac_mean": m.fp4_mean, "gemm_time_vs_bf16": m.gemm_time_mean}
+
+
+def _run_json(grid: Grid, run: RunSpec, metrics: Metrics) -> dict:
+    per_seed = [metrics[run.name, s] for s in grid.seeds]
+    values = [m.val_loss for m in per_seed]
+    time = mean([m.gemm_time_mean for m in per_seed])
+    out = {"flags": list(run.flags), "group": grid.group_of(run),
+           "seeds": {str(s): _seed_json(m) for s, m in zip(grid.seeds, per_seed)},
+           "val_loss": {"mean": mean(values), "se": standard_error(values)},
+           "fp4_flop_frac": mean([m.fp4_final for m in per_seed]),
+           "fp4_flop_frac_mean": mean([m.fp4_mean for m in per_seed]),
+           "gemm_time_vs_bf16": time, "gemm_time_saving": 1.0 - time, "vs_reference": None}
+    if grid.reference is not None and run.name != grid.reference:
+        ref = losses(metrics, grid.reference, grid.seeds)
+        diff = paired(losses(metrics, run.name, grid.seeds), ref)
+        out["vs_reference"] = {**_paired_json(diff),
+                               "rel_pct": 100.0 * diff.mean / mean(list(ref.values()))}
+    return out
+
+
+def _groups(grid: Grid, runs: dict, metrics: Metrics) -> list[dict]:
+    """Rank runs within each group (first-seen order of the groups); sets ``runs[n]["rank"]``."""
+    members: dict[str | None, list[str]] = {}
+    for run in grid.runs:
+        members.setdefault(grid.group_of(run), []).append(run.name)
+    groups = []
+    for group, names in members.items():
+        rank = ranks({n: runs[n]["val_loss"]["mean"] for n in names})
+        for name in names:
+            runs[name]["rank"] = rank[name]
+        ranking = sorted(names, key=lambda n: (rank[n], names.index(n)))
+        margin = None
+        if len(ranking) > 1:
+            best, second = ranking[:2]
+            diff = paired(losses(metrics, second, grid.seeds), losses(metrics, best, grid.seeds))
+            margin = {"runner_up": second, "best": best, **_paired_json(diff)}
+        best = {str(s): min(names, key=lambda n: metrics[n, s].val_loss) for s in grid.seeds}
+        groups.append({"group": group, "ranking": ranking, "margin": margin,
+                       "best_per_seed": best})
+    return groups
+
+
+def grid_json(grid: Grid) -> dict:
+    """The grid as given (flags as lists)."""
+    return {"entry": grid.entry, "base_flags": list(grid.base_flags), "seeds": list(grid.seeds),
+            "reference": grid.reference, "group_by": grid.group_by,
+            "runs": {r.name: list(r.flags) for r in grid.runs}}
+
+
+def collect(grid: Grid, metrics: Metrics) -> dict:
+    """The results mapping of a grid whose every job finished."""
+    runs = {run.name: _run_json(grid, run, metrics) for run in grid.runs}
+    groups = _groups(grid, runs, metrics)
+    return {"version": 1, "grid": grid_json(grid), "runs": runs, "groups": groups}

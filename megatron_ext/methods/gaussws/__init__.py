@@ -1,0 +1,42 @@
+"""GaussWS — Gaussian weight sampling (``shared/papers/002_*``): pseudo-quantization training
+that adds FP-friendly noise to chosen weights, with a learnable bit width per 32 x 32 tile.
+
+Numerics core (no training wiring here; see ``docs/gaussws.md``):
+
+* :mod:`.noise` — R ≈ round(N(0,1)/2) from random bits (eq. 7-8), 8 four-bit codes per
+  int32, counter-based (Philox) so any slice of a weight's stream is generated on its own;
+  the seed hierarchy run -> site -> step (:class:`NoiseSeeds`);
+* :mod:`.layout` — tile geometry on the full weight, TP shards (:class:`ShardLayout`), tile
+  maxima of a shard and their all-reduce MAX combine;
+* :mod:`.sampling` — eq. 1-3 (:class:`GaussSample`, :func:`perturb`, :func:`bits_grad`) and
+  eq. 6's bound; :mod:`.linear` — a linear that regenerates ŵ in its backward;
+* :mod:`.weight` — eq. 9's b_i parameter per weight (:class:`GaussWSWeight`), eq. 10;
+* :mod:`.config` — :class:`GaussWSConfig` and the ``--gaussws*`` flags;
+* :mod:`.triton_kernels` — the CUDA path (packed R generation; unpack + scaled add).
+"""
+
+from .config import GaussWSConfig, add_arguments, parse_sites
+from .layout import ShardLayout, all_reduce_block_amax, combine_block_amax, local_block_amax
+from .linear import SampledLinear
+from .noise import NoiseSeeds
+from .sampling import GaussSample, bits_grad, format_mantissa_bits, perturb, underflow_bound
+from .weight import GaussWSWeight, bitwidth_loss
+
+__all__ = [
+    "GaussSample",
+    "GaussWSConfig",
+    "GaussWSWeight",
+    "NoiseSeeds",
+    "SampledLinear",
+    "ShardLayout",
+    "add_arguments",
+    "all_reduce_block_amax",
+    "bits_grad",
+    "bitwidth_loss",
+    "combine_block_amax",
+    "format_mantissa_bits",
+    "local_block_amax",
+    "parse_sites",
+    "perturb",
+    "underflow_bound",
+]

@@ -1,0 +1,88 @@
+"""GaussWS settings and their command-line flags.
+
+``--gaussws`` picks the sites whose weights are sampled: ``od`` (the paper's [out, down]:
+the last linear of each residual branch, ``proj`` and ``fc2``), ``all``, or a comma list
+of ``qkv,proj,fc1,fc2``. Bit widths follow eq. 9, ``b_t = b_target + b_i (b_init -
+b_target)`` with ``b_i`` starting at 1, and the optional eq. 10 loss adds
+``λ / n Σ |b_t - b_target|``. Paper values: b_init 6, b_target 4, λ 1e-4, 32 x 32 tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatron_ext.errors import UsageError
+from megatron_ext.sites import SITES
+
+SITE_GROUPS = {"od": ("proj", "fc2"), "all": SITES}
+"""Named site sets accepted by ``--gaussws``."""
+
+
+def parse_sites(spec: str) -> tuple[str, ...]:
+    """``"od"`` -> ``("proj", "fc2")``; ``"all"``; or a comma list of site names (plan
+    order kept); ``UsageError`` otherwise."""
+    if spec in SITE_GROUPS:
+        return SITE_GROUPS[spec]
+    names = [s.strip() for s in spec.split(",")]
+    bad = [s for s in names if s not in SITES]
+    if bad or not spec.strip():
+        raise UsageError(f"--gaussws {spec!r}: expected od, all or a comma list of "
+                         f"{','.join(SITES)}")
+    return tuple(s for s in SITES if s in names)
+
+
+@dataclass(frozen=True)
+class GaussWSConfig:
+    """Gaussian weight sampling for one run (paper §3.2-3.7)."""
+
+    sites: tuple[str, ...] = ()
+    """Sites whose weights are sampled (``--gaussws``); empty: GaussWS off."""
+    b_init: float = 6.0
+    """Initial bit width of every tile, b_t at b_i = 1 (``--gaussws-b-init``)."""
+    b_target: float = 4.0
+    """Bit width that weight decay on b_i (and the eq. 10 loss) pulls b_t towards
+    (``--gaussws-b-target``)."""
+    lam: float = 0.0
+    """λ of the eq. 10 bit-width loss; 0 leaves it out (``--gaussws-lambda``, paper 1e-4)."""
+    block: int = 32
+    """Side of the square tiles sharing one max and one b_t (``--gaussws-block``)."""
+
+    def __post_init__(self):
+        if self.b_init == self.b_target:
+            raise UsageError("--gaussws-b-init must differ from --gaussws-b-target "
+                             "(eq. 9 scales b_i by their difference)")
+        if self.block < 1:
+            raise UsageError(f"--gaussws-block must be a positive integer, got {self.block}")
+        if self.lam < 0:
+            raise UsageError(f"--gaussws-lambda must be >= 0, got {self.lam}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any site is sampled."""
+        return bool(self.sites)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GaussWSConfig:
+        """The settings from parsed flags (see :func:`add_arguments`)."""
+        sites = parse_sites(args.gaussws) if args.gaussws else ()
+        return cls(sites, args.gaussws_b_init, args.gaussws_b_target, args.gaussws_lambda,
+                   args.gaussws_block)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--gaussws*`` flags, one argument group."""
+    d = GaussWSConfig()
+    g = parser.add_argument_group("GaussWS (Gaussian weight sampling)")
+    g.add_argument("--gaussws", default=None, metavar="od|all|SITES",
+                   help="sample these sites' weights: od (proj, fc2), all, or a comma list "
+                        f"of {','.join(SITES)}; off when absent")
+    g.add_argument("--gaussws-b-init", type=float, default=d.b_init,
+                   help=f"initial bit width of every 32x32 tile (default {d.b_init})")
+    g.add_argument("--gaussws-b-target", type=float, default=d.b_target,
+                   help=f"bit width weight decay on b_i pulls towards (default {d.b_target})")
+    g.add_argument("--gaussws-lambda", type=float, default=d.lam,
+                   help="weight of the bit-width loss lambda/n sum|b - b_target| (eq. 10); "
+                        "0 = off (default; the paper uses 1e-4)")
+    g.add_argument("--gaussws-block", type=int, default=d.block,
+                   help=f"side of the square tiles (default {d.block}, OCP MX)")

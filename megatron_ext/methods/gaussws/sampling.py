@@ -1,0 +1,181 @@
+"""Gaussian weight sampling, eq. 1-3 of the paper (§3.2), on a weight or a TP shard of one.
+
+Forward (eq. 1), per 32 x 32 tile of the full weight with learnable bit width b_t:
+
+    ŵ = w + R ⊙ broadcast(s),   s = max_tile |w| · 2^(1 - b_t)
+
+R ∈ {-2..2} from :mod:`.noise` (the step's key, never stored). Backward, treating
+∂max|w|/∂w as 0 (one element of 1024 — eq. 2's approximation):
+
+    ∂L/∂w   = ∂L/∂ŵ                                             (eq. 2)
+    ∂L/∂b_t = -ln 2 · s · Σ_tile (∂L/∂ŵ ⊙ R)                    (eq. 3)
+
+R is regenerated from the key in the backward pass. On CUDA the packed R (0.5 byte per
+element) comes from a Triton kernel and a second kernel unpacks it and adds the scaled noise;
+the torch path (CPU, or float64) works in row chunks so its temporaries stay bounded.
+
+Under TP the caller passes the full tile grids (``amax`` combined over the group, see
+:mod:`.layout`; ``bits`` replicated on every rank). A shard's eq. 3 sum covers only its part
+of each tile, so with ``group`` set the backward all-reduces (SUM) the bit-width gradient over
+the TP group: every rank then holds the full gradient, as at TP=1 (same value up to float
+summation order), and the replicated ``bits`` parameter stays identical across ranks.
+
+Eq. 6's underflow bound — ŵ is cast to the GEMM's format with ``m`` mantissa bits, and a
+nonzero noise under half a grid step of the tile's top binade would be rounded away while
+eq. 3 still credits it — caps b_t at ``m + 2 - r`` (``r = 0`` for this R: min nonzero
+|R| = 2^0): :func:`underflow_bound` (BF16: 9, FP8 E4M3: 5, E5M2: 4, FP4 E2M1: 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.errors import UsageError
+from megatron_ext.formats import CastElement, FloatElement, get_format
+
+from . import noise
+from .layout import (
+    ShardLayout,
+    all_reduce_block_amax,
+    block_reduce,
+    local_block_amax,
+    segment_reduce,
+)
+
+CHUNK_ELEMS = 1 << 20
+"""Elements per chunk on the torch path."""
+
+
+def underflow_bound(mantissa_bits: int, r: int = 0) -> int:
+    """Eq. 6: the largest b_t whose nonzero noise survives a cast to a format with
+    ``mantissa_bits`` stored mantissa bits (``2^-r`` = the smallest nonzero |R|)."""
+    return mantissa_bits + 2 - r
+
+
+def format_mantissa_bits(name: str) -> int:
+    """Stored mantissa bits of a GEMM operand format name (``"bf16"``, ``"mxfp8"``, ...)."""
+    element = get_format(name).element
+    if isinstance(element, FloatElement):
+        return element.mbits
+    if isinstance(element, CastElement):
+        return round(-math.log2(torch.finfo(element.dtype).eps))  # eps = 2^-m
+    raise UsageError(f"eq. 6 needs a floating-point weight format, got {name}")
+
+
+def _compute_dtype(w: torch.Tensor) -> torch.dtype:
+    return torch.float64 if w.dtype == torch.float64 else torch.float32
+
+
+def block_scale(amax: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """s = max|w| · 2^(1 - b_t) per tile (``amax``'s dtype)."""
+    return amax * torch.exp2(1 - bits.detach().to(amax.dtype))
+
+
+def _triton_for(t: torch.Tensor):
+    """The Triton module when ``t`` is a CUDA float32/bfloat16/float16 tensor, else None."""
+    if not t.is_cuda or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    try:
+        from . import triton_kernels
+    except ImportError:  # no triton: the torch path runs on CUDA too
+        return None
+    return triton_kernels
+
+
+def packed_noise(layout: ShardLayout, key: int, like: torch.Tensor) -> torch.Tensor:
+    """The shard's packed R (int32, local rows x the packed words covering its columns;
+    0.5 byte per element) on ``like``'s device: the Triton kernel for CUDA tensors."""
+    c0, c1 = layout.col_range
+    word_start = c0 // noise.ELEMS_PER_WORD
+    n_words = noise.words_per_row(c1) - word_start
+    kernels = _triton_for(like)
+    generate = kernels.packed_noise if kernels else noise.packed_noise
+    return generate(layout.global_rows(like.device), word_start, n_words, layout.full_shape[1], key)
+
+
+def _noise_chunks(packed: torch.Tensor, layout: ShardLayout, dtype: torch.dtype):
+    """(first local row, full row indices, R) per chunk of rows: R unpacked a chunk at a time."""
+    rows = layout.global_rows(packed.device)
+    c0, c1 = layout.col_range
+    step = max(1, CHUNK_ELEMS // (c1 - c0))
+    for lo in range(0, len(rows), step):
+        r = noise.unpack(packed[lo : lo + step], c0 % noise.ELEMS_PER_WORD, c1 - c0, dtype)
+        yield lo, rows[lo : lo + step], r
+
+
+def _expand(grid: torch.Tensor, rows: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """Per-element tile values for full rows ``rows`` x the layout's columns."""
+    c0, c1 = layout.col_range
+    cols = torch.arange(c0, c1, device=grid.device) // layout.block
+    return grid.index_select(0, rows // layout.block).index_select(1, cols)
+
+
+def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, packed: torch.Tensor):
+    """Eq. 1 without autograd: ŵ (``w``'s dtype) from the local ``w``, the full tile grid
+    ``scale`` of s and the shard's :func:`packed_noise`. ŵ = w + R·s is computed in float32
+    (float64 for a float64 ``w``) and rounded once to ``w``'s dtype."""
+    layout.check(w)
+    kernels = _triton_for(w)
+    if kernels:
+        return kernels.perturb(w, scale.float(), layout, packed)
+    out = torch.empty_like(w)
+    dtype = _compute_dtype(w)
+    for lo, rows, r in _noise_chunks(packed, layout, dtype):
+        s = _expand(scale.to(dtype), rows, layout)
+        out[lo : lo + len(rows)] = (w[lo : lo + len(rows)].to(dtype) + r * s).to(w.dtype)
+    return out
+
+
+def noise_dot(grad: torch.Tensor, layout: ShardLayout, packed: torch.Tensor) -> torch.Tensor:
+    """Σ_tile (grad ⊙ R) over this shard's part of every tile, on the full grid (float32,
+    float64 for float64 ``grad``), 0 for tiles the shard does not touch."""
+    dtype = _compute_dtype(grad)
+    parts = []
+    for lo, rows, r in _noise_chunks(packed, layout, dtype):
+        prod = grad[lo : lo + len(rows)].to(dtype) * r
+        parts.append(segment_reduce(prod, 1, layout.col_range[0], layout.block, "sum"))
+    return block_reduce(None, layout, "sum", col_partial=torch.cat(parts))
+
+
+def bits_grad(grad: torch.Tensor, scale: torch.Tensor, layout: ShardLayout,
+              packed: torch.Tensor, group=None) -> torch.Tensor:
+    """Eq. 3: ∂L/∂b_t on the full grid from ∂L/∂ŵ of this shard; with ``group`` the shards'
+    partial sums are all-reduced (SUM) so every rank returns the full gradient."""
+    dot = noise_dot(grad, layout, packed)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(dot, group=group)
+    return -math.log(2.0) * scale.to(dot.dtype) * dot
+
+
+class GaussSample(torch.autograd.Function):
+    """ŵ = GaussSample.apply(w, bits, amax, key, layout, group): eq. 1 forward, eq. 2-3
+    backward. ``bits`` (b_t) and ``amax`` are full tile grids; ``amax`` gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, w, bits, amax, key: int, layout: ShardLayout, group=None):
+        scale = block_scale(amax.to(_compute_dtype(w)), bits)
+        ctx.save_for_backward(scale)
+        ctx.key, ctx.layout, ctx.group, ctx.bits_dtype = key, layout, group, bits.dtype
+        return perturb(w, scale, layout, packed_noise(layout, key, w))
+
+    @staticmethod
+    def backward(ctx, grad_hat):
+        (scale,) = ctx.saved_tensors
+        grad_bits = None
+        if ctx.needs_input_grad[1]:  # R regenerated from the key, never stored
+            packed = packed_noise(ctx.layout, ctx.key, grad_hat)
+            grad_bits = bits_grad(grad_hat, scale, ctx.layout, packed, ctx.group)
+            grad_bits = grad_bits.to(ctx.bits_dtype)
+        return grad_hat, grad_bits, None, None, None, None
+
+
+def sample_weight(w: torch.Tensor, bits: torch.Tensor, key: int, layout: ShardLayout | None = None,
+                  group=None) -> torch.Tensor:
+    """ŵ for the local weight ``w`` (``layout`` defaults to the whole weight): the tile
+    maxima (combined over the TP ``group`` when given), then :class:`GaussSample`."""
+    layout = layout or ShardLayout.full(*w.shape)
+    amax = all_reduce_block_amax(local_block_amax(w, layout), group)
+    return GaussSample.apply(w, bits, amax, key, layout, group)

@@ -1,0 +1,292 @@
+"""Algorithm 2 of the GNMR paper: promote risky units to high precision, hold, demote.
+
+After every optimizer step ``t`` (training iteration, 1-based) the controller gets each
+unit's gradient norm, runs Algorithm 1 (:mod:`.algorithm`) and decides which units run the
+**next** step in high precision (the gradient of step ``t`` was already computed in the
+precision chosen after step ``t-1``; the paper's theory: "high-risk at step t, switches to
+high precision at t+1")::
+
+    Lock ← max(Lock - 1, 0)
+    if   GNMR_t > α_t  or  Δ-GNMR_t > β_t:  P ← high, Lock ← T_lock       (promote / re-arm)
+    elif Lock = 0:                          P ← low                       (demote)
+
+A unit promoted at step ``t`` and not triggered again runs high for exactly ``T_lock`` steps,
+``t+1 .. t+T_lock`` (``--gnmr-lock 1`` is the paper's analysed case: the next step only).
+
+**Budget (maxO).** At most ``K`` units may be high at once (``--gnmr-max-promoted``: a count,
+or a fraction of the units). When more want to be high, the ``K`` with the highest **risk**
+stay, where risk is the larger of the two threshold-normalised metrics::
+
+    risk_t = max( v(GNMR_t) / α_t ,  v(Δ-GNMR_t) / β_t )      v(m) = m  (ratio) or m - 1 (excess)
+
+so ``risk > 1`` exactly when a threshold is crossed: a unit triggered this step outranks one
+held only by its lock (risk ≤ 1), and among triggered units the one furthest over its
+threshold, measured in multiples of it, wins. Ties go to the deeper unit (later in unit order).
+A unit the budget turns away runs low and loses its lock. The budget is a hard cap (App. D's
+peak-memory bound relies on it), so it can end a lock early.
+
+**Threshold schedule.** Two stages (paper App. E.2): ``α_t = α_init``, ``β_t = β_init`` for
+the first ``warmup_frac · T`` iterations (nearest integer, halves up; ``T`` = the run's
+iterations), ``α``, ``β`` afterwards.
+
+**Comparison.** ``compare="ratio"`` tests the metric itself against the threshold (the
+paper's Algorithm 2); ``compare="excess"`` tests ``metric - 1``, the reading under which the
+paper's other numbers (β = 0.3, 0.5, 1.0; fixed α = 0.9, 0.4) describe rare events. The
+defaults (ratio; α 3.0 -> 2.0, β 2.0 -> 1.5: the paper's Table 4 pairs, α as a ratio and β as
+an excess) reproduce its trigger rates on measured gradient norms (``docs/gnmr.md``).
+
+**Non-finite steps** (:meth:`GnmrController.on_nonfinite`): the loop skipped the update, so
+Algorithm 1 does not observe the step and no lock counts down; the units whose norms are
+non-finite are promoted (or, if every norm is finite, the one unit whose norm is largest
+relative to its running mean), with a full lock and top priority in the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from megatron_ext.methods.gnmr.algorithm import GnmrState, Metrics
+from megatron_ext.methods.gnmr.units import GRANULARITIES
+
+COMPARES = ("ratio", "excess")
+"""``--gnmr-compare`` choices: threshold on the metric, or on the metric minus 1."""
+
+HIGH_CHOICES = ("auto", "fp8", "bf16")
+"""``--gnmr-high`` choices (:mod:`.promote`)."""
+
+
+@dataclass(frozen=True)
+class GnmrConfig:
+    """GNMR's settings; each field is the flag named in its docstring."""
+
+    granularity: str = "block"
+    """``--gnmr-granularity``: a unit is a transformer block (``block``) or one site."""
+    high: str = "auto"
+    """``--gnmr-high``: what a promoted site runs in: ``auto`` (FP4 -> FP8, FP8 -> BF16 per
+    operand), ``fp8`` or ``bf16`` (:mod:`.promote`)."""
+    lock: int = 10
+    """``--gnmr-lock``: T_lock, the steps a promoted unit stays high (>= 1)."""
+    max_promoted: int | float = 0.25
+    """``--gnmr-max-promoted``: maxO, units high at once: an int count (0 = trace only,
+    never promote) or a float fraction of the units in (0, 1] (at least one unit)."""
+    alpha_init: float = 3.0
+    """``--gnmr-alpha-init``: GNMR threshold during the warm-up stage."""
+    alpha: float = 2.0
+    """``--gnmr-alpha``: GNMR threshold after the warm-up stage (the paper's main runs use
+    1.5 -> 1.1; docs/gnmr.md says why the default is stricter)."""
+    warmup_frac: float = 0.025
+    """``--gnmr-warmup-frac``: fraction of the run's iterations that use the ``*_init``
+    thresholds."""
+    beta_init: float = 2.0
+    """``--gnmr-beta-init``: Δ-GNMR threshold during the warm-up stage."""
+    beta: float = 1.5
+    """``--gnmr-beta``: Δ-GNMR threshold after the warm-up stage."""
+    delta: int = 10
+    """``--gnmr-delta``: δ, the window (steps) of Δ-GNMR's short-term mean."""
+    compare: str = "ratio"
+    """``--gnmr-compare``: ``ratio`` (metric > threshold) or ``excess`` (metric - 1 >
+    threshold)."""
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"--gnmr-granularity must be one of {GRANULARITIES}")
+        if self.high not in HIGH_CHOICES:
+            raise ValueError(f"--gnmr-high must be one of {HIGH_CHOICES}, got {self.high!r}")
+        if self.compare not in COMPARES:
+            raise ValueError(f"--gnmr-compare must be one of {COMPARES}, got {self.compare!r}")
+        for name in ("lock", "delta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--gnmr-{name} must be an integer >= 1, got {value!r}")
+        for name in ("alpha_init", "alpha", "beta_init", "beta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"--gnmr-{name.replace('_', '-')} must be a number > 0, "
+                                 f"got {value!r}")
+        if not 0 <= self.warmup_frac <= 1:
+            raise ValueError(f"--gnmr-warmup-frac must be in [0, 1], got {self.warmup_frac}")
+        _check_max_promoted(self.max_promoted)
+
+    def budget(self, units: int) -> int:
+        """maxO as a number of units for a model with ``units`` units."""
+        if isinstance(self.max_promoted, float):
+            return max(1, math.floor(self.max_promoted * units + 1e-9))
+        return min(self.max_promoted, units)
+
+    def thresholds(self, iteration: int, total_steps: int) -> tuple[float, float]:
+        """``(α_t, β_t)`` at training iteration ``iteration`` (1-based) of ``total_steps``."""
+        warmup = math.floor(self.warmup_frac * total_steps + 0.5)
+        if iteration <= warmup:
+            return float(self.alpha_init), float(self.beta_init)
+        return float(self.alpha), float(self.beta)
+
+
+def _check_max_promoted(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"--gnmr-max-promoted must be a count or a fraction, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"--gnmr-max-promoted count must be >= 0, got {value}")
+    if isinstance(value, float) and not 0 < value <= 1:
+        raise ValueError(f"--gnmr-max-promoted fraction must be in (0, 1], got {value}")
+
+
+def parse_max_promoted(text: str) -> int | float:
+    """The ``--gnmr-max-promoted`` value: ``"4"`` -> 4 units, ``"0.25"`` -> a quarter."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise ValueError(f"--gnmr-max-promoted must be a count (4) or a fraction (0.25), "
+                         f"got {text!r}") from None
+    _check_max_promoted(value)
+    return value
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one step (or one non-finite step) changed, and its trace line."""
+
+    step: int
+    """The training iteration just observed."""
+    promoted: tuple[str, ...]
+    """Units that run the next step in high precision (unit order)."""
+    promotions: tuple[str, ...]
+    """Units that were low and are now high."""
+    demotions: tuple[str, ...]
+    """Units that were high and are now low."""
+    trace: dict
+    """``{"step": t, "alpha": α_t, "beta": β_t, "units": {unit: {"norm", "agnm", "gnmr",
+    "dgnmr", "high", "lock"}}}`` (non-finite numbers as ``None``; ``high`` / ``lock`` after
+    the decision); a non-finite step adds ``"nonfinite": true``."""
+    counts: dict = field(default_factory=dict)
+    """Per-step counters, merged into the metrics record by :meth:`metrics`."""
+
+    def metrics(self) -> dict:
+        """Flat numbers for the step's metrics record."""
+        return {"gnmr_units_high": len(self.promoted), "gnmr_promotions": len(self.promotions),
+                "gnmr_demotions": len(self.demotions), **self.counts}
+
+
+def _num(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+@dataclass(eq=False)
+class GnmrController:
+    """Algorithm 2 over a fixed list of units (build with :meth:`create`); see the module
+    docstring. Every rank runs one with the same inputs and so takes the same decisions."""
+
+    config: GnmrConfig
+    """The settings."""
+    units: tuple[str, ...]
+    """Unit ids, in the order of the norm vectors (:func:`.units.unit_ids`)."""
+    total_steps: int
+    """Iterations of the whole run (the threshold schedule's ``T``)."""
+    state: GnmrState
+    """Algorithm 1's running state."""
+    high: np.ndarray
+    """Per unit: runs the next step in high precision (bool)."""
+    lock: np.ndarray
+    """Per unit: steps left in the lock (int)."""
+    risk: np.ndarray
+    """Per unit: risk at the last decision (+inf for a non-finite promotion); the budget's
+    ranking of units already high when a non-finite step comes."""
+
+    @classmethod
+    def create(cls, config: GnmrConfig, units: Sequence[str], total_steps: int):
+        if len(set(units)) != len(units):
+            raise ValueError("GNMR unit ids must be distinct")
+        if not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+        n = len(units)
+        return cls(config, tuple(units), total_steps, GnmrState.zeros(n, config.delta),
+                   np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64), np.zeros(n))
+
+    @property
+    def promoted(self) -> tuple[str, ...]:
+        """Units currently high (unit order)."""
+        return tuple(u for u, h in zip(self.units, self.high) if h)
+
+    def _v(self, metric: np.ndarray) -> np.ndarray:
+        return metric if self.config.compare == "ratio" else metric - 1.0
+
+    def step(self, iteration: int, norms) -> Decision:
+        """Observe step ``iteration``'s unit norms (finite, one per unit) and decide."""
+        alpha, beta = self.config.thresholds(iteration, self.total_steps)
+        m = self.state.update(norms)
+        over_alpha = self._v(m.gnmr) > alpha
+        over_beta = self._v(m.dgnmr) > beta
+        triggered = over_alpha | over_beta
+        risk = np.maximum(self._v(m.gnmr) / alpha, self._v(m.dgnmr) / beta)
+        lock = np.where(triggered, self.config.lock, np.maximum(self.lock - 1, 0))
+        high = triggered | (lock > 0)  # a lock runs only while high (the budget clears it)
+        counts = {"gnmr_over_alpha": int(over_alpha.sum()),
+                  "gnmr_over_beta": int(over_beta.sum())}
+        header = {"step": iteration, "alpha": alpha, "beta": beta}
+        return self._commit(header, high, lock, triggered, risk, m, counts)
+
+    def on_nonfinite(self, iteration: int, norms) -> Decision:
+        """Step ``iteration`` had non-finite gradients and was skipped: promote the units
+        whose norms are non-finite or, if all are finite, the one with the largest norm
+        relative to its running mean (raw norm before any history). Algorithm 1's state and
+        the locks of other units are left as they were."""
+        n = np.array(norms, dtype=np.float64)
+        if n.shape != (len(self.units),):
+            raise ValueError(f"expected {len(self.units)} norms, got shape {n.shape}")
+        new = ~np.isfinite(n)
+        if not new.any():
+            new = np.zeros_like(new)
+            new[len(n) - 1 - int(np.argmax(self._relative(n)[::-1]))] = True  # ties: deeper
+        lock = np.where(new, self.config.lock, self.lock)
+        risk = np.where(new, np.inf, self.risk)
+        empty = np.full(len(n), np.nan)
+        m = Metrics(n, self.state.agnm.copy(), empty, empty)
+        header = {"step": iteration, "nonfinite": True}
+        return self._commit(header, self.high | new, lock, new, risk, m,
+                            {"gnmr_nonfinite_units": int((~np.isfinite(n)).sum())})
+
+    def _relative(self, n: np.ndarray) -> np.ndarray:
+        if self.state.t == 0:
+            return n
+        agnm = self.state.agnm
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(agnm > 0, n / agnm, np.where(n > 0, np.inf, 0.0))
+
+    def _commit(self, header, high, lock, first, risk, m: Metrics, counts) -> Decision:
+        """Apply the budget (rank: ``first``, then risk, then depth), store, report."""
+        high, lock = high.copy(), lock.copy()
+        budget = self.config.budget(len(self.units))
+        wanting = np.flatnonzero(high)
+        counts["gnmr_budget_dropped"] = max(len(wanting) - budget, 0)
+        if len(wanting) > budget:
+            order = np.lexsort((-wanting, -risk[wanting], ~first[wanting]))
+            dropped = wanting[order[budget:]]
+            high[dropped], lock[dropped] = False, 0
+        promotions = tuple(u for u, h, o in zip(self.units, high, self.high) if h and not o)
+        demotions = tuple(u for u, h, o in zip(self.units, high, self.high) if o and not h)
+        self.high, self.lock, self.risk = high, lock.astype(np.int64), risk
+        trace = {**header, "units": {
+            unit: {"norm": _num(m.norm[i]), "agnm": _num(m.agnm[i]), "gnmr": _num(m.gnmr[i]),
+                   "dgnmr": _num(m.dgnmr[i]), "high": bool(high[i]), "lock": int(lock[i])}
+            for i, unit in enumerate(self.units)}}
+        return Decision(header["step"], self.promoted, promotions, demotions, trace, counts)
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs, as plain Python data (exact float64 round trip)."""
+        return {"version": 1, "units": list(self.units), "algorithm": self.state.state_dict(),
+                "high": self.high.tolist(), "lock": self.lock.tolist(),
+                "risk": self.risk.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (units and δ must match this run; the
+        thresholds, lock length and budget may differ)."""
+        if state.get("version") != 1 or list(state.get("units", ())) != list(self.units):
+            raise ValueError("GNMR checkpoint state is for other units (or another version) "
+                             "than this run's")
+        self.state.load_state_dict(state["algorithm"])
+        self.high = np.array(state["high"], dtype=bool)
+        self.lock = np.array(state["lock"], dtype=np.int64)
+        self.risk = np.array(state["risk"], dtype=np.float64)

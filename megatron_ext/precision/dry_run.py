@@ -1,0 +1,77 @@
+"""The precision platform's part of ``--dry-run``: per-stage FLOPs, FP4 share and time.
+
+**The plan the numbers assume** is the one the run would start with: the controller's base
+plan (``--precision NAME[:ARG]`` through the policy registry, or ``--precision-plan``) under
+its overlays (``--keep-first-last-layers-bf16``, any a method laid while validating), as
+``validate`` left them. A policy whose plan only training can decide (SNIP and its statistics
+baselines refresh from measured statistics) registers a ``Policy.dry_run(args, shape)`` hook,
+and its plan stands in for the base. Without a precision flag every GEMM is BF16.
+
+**The numbers** are the cost model's (:mod:`.cost`), per stage of the layout megatron-core
+built: the linear sites' FLOPs of one step and their FP4 share (``T`` = global batch x
+sequence), and the forward + backward time of one micro-batch on one GPU (``T = s·b``):
+its sites' GEMMs at the rate of their class, plus the attention core of its layers and, on
+the last stage, the output layer (BF16), all divided by TP. Peak rate, no communication:
+a lower bound. The training side turns the stage times into the step time and tokens/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_ext.extension import DryRunPart, StageTimes
+from megatron_ext.precision.controller import PlanController, compose
+from megatron_ext.precision.cost import ModelShape, flop_report, stage_seconds
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.policies import lookup
+from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.sites import SITES
+
+NO_PLAN = "none: BF16 GEMMs"
+"""What the times assume without a precision flag."""
+
+
+def micro_batch_shape(args, context) -> ModelShape:
+    """The run's shape charged for one micro-batch (``T = s·b``), with the padded vocabulary
+    of the dry run's ``context``: what ``Policy.dry_run`` hooks receive."""
+    return dataclasses.replace(ModelShape.from_args(args),
+                               tokens=args.micro_batch_size * args.seq_length,
+                               vocab_size=context.vocab)
+
+
+def assumed_plan(args, controller: PlanController, shape: ModelShape) -> PrecisionPlan | None:
+    """The plan the run would start with (module docstring), None without precision flags."""
+    if controller.base is None:
+        return None
+    base = controller.base
+    if args.precision:
+        policy, _ = lookup(args.precision)
+        if policy.dry_run is not None:
+            base = policy.dry_run(args, shape)
+    return compose(base, list(controller.overlays.values()))
+
+
+def estimate(controller: PlanController, args, context) -> DryRunPart:
+    """The platform's part of the report (module docstring)."""
+    shape = micro_batch_shape(args, context)
+    plan = assumed_plan(args, controller, shape)
+    formats_of = plan.formats if plan is not None else (lambda sid: SiteFormats())
+    stage_of = context.layer_stages
+    step = dataclasses.replace(shape, tokens=args.global_batch_size * args.seq_length)
+    flops = flop_report(formats_of, step, stage_of)
+    seconds = [t / context.layout.tp for t in
+               stage_seconds(formats_of, shape, context.bf16_flops_per_s, stage_of)]
+    sites = [len(SITES) * len(s.layers) for s in context.stages]
+    fp4 = [f["fp4"] for f in flops.stage_fractions]
+    method = plan.method if plan is not None else NO_PLAN
+    how = (f"forward + backward of one micro-batch on one GPU at "
+           f"{context.bf16_flops_per_s / 1e12:g} TFLOP/s BF16 (FP8 2x, FP4 4x), attention core "
+           f"6·b·s²·h per layer, output layer 6·s·b·v·h, no communication: a lower bound")
+    return DryRunPart(
+        columns=("sites", "lin PFLOP", "FP4"),
+        cells=tuple((str(n), f"{f / 1e15:.1f}", f"{100 * x:.0f}%")
+                    for n, f, x in zip(sites, flops.stage_flops, fp4)),
+        stage_json=tuple({"sites": n, "linear_flops": f, "fp4_fraction": x}
+                         for n, f, x in zip(sites, flops.stage_flops, fp4)),
+        times=StageTimes(tuple(seconds), f"plan {method}", how),
+        json={"plan": method})

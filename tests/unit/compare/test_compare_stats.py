@@ -1,0 +1,83 @@
+"""megatron_ext.compare without training: groups, ranks with ties, margins, flag parsing.
+
+The metrics are made up (integers chosen so every expected number is worked out by hand in
+the comments); the grid's runs are grouped by ``--snip-budget`` in both flag spellings.
+"""
+
+import math
+
+import pytest
+
+from megatron_ext.compare.grid import Grid, RunSpec, build_grid, flag_value
+from megatron_ext.compare.jobs import RunMetrics
+from megatron_ext.compare.report import markdown
+from megatron_ext.compare.results import collect
+from megatron_ext.errors import UsageError
+
+SEEDS = (1, 2, 3)
+LOSSES = {"ref": (4, 4, 4), "a": (3, 3, 3), "b": (2, 3, 4), "c": (1, 2, 3), "d": (5, 6, 7)}
+FLAGS = {"ref": (), "a": ("--snip-budget", "0.5"), "b": ("--snip-budget=0.5",),
+         "c": ("--snip-budget", "0.5"), "d": ("--snip-budget", "0.25")}
+
+
+def metrics(values: tuple[int, ...]) -> list[RunMetrics]:
+    return [RunMetrics(10, float(v), ((10, float(v)),), ((10, float(v)),), 0.5, 0.25, 0.625)
+            for v in values]
+
+
+@pytest.fixture
+def results():
+    grid = Grid(tuple(RunSpec(n, f) for n, f in FLAGS.items()), SEEDS, reference="ref",
+                group_by="--snip-budget")
+    table = {(n, s): m for n, v in LOSSES.items() for s, m in zip(SEEDS, metrics(v))}
+    return collect(grid, table)
+
+
+def test_ranks_within_groups_with_ties(results):
+    # group 0.5: means a 3, b 3, c 2 -> c 1, a and b share 2; group None: ref; group 0.25: d
+    assert {n: r["group"] for n, r in results["runs"].items()} == {
+        "ref": None, "a": "0.5", "b": "0.5", "c": "0.5", "d": "0.25"}
+    assert {n: r["rank"] for n, r in results["runs"].items()} == {
+        "ref": 1, "a": 2, "b": 2, "c": 1, "d": 1}
+    assert [g["ranking"] for g in results["groups"]] == [["ref"], ["c", "a", "b"], ["d"]]
+    # per seed in group 0.5: (3, 2, 1) -> c, (3, 3, 2) -> c, (3, 4, 3) -> a (tie: config order)
+    assert results["groups"][1]["best_per_seed"] == {"1": "c", "2": "c", "3": "a"}
+    assert "1. `c`, 2. `a`, 2. `b`; runner-up − best = +1.0000 ± 0.5774 (z = +1.7, paired); " \
+        "`c` is best on 2 of 3 seeds" in markdown(results, [])
+
+
+def test_margin_and_reference_differences(results):
+    # runner-up a - best c = (2, 1, 0): mean 1, sd 1, se 1/sqrt(3)
+    margin = results["groups"][1]["margin"]
+    assert (margin["best"], margin["runner_up"]) == ("c", "a")
+    assert margin["mean"] == 1.0 and margin["se"] == pytest.approx(1 / math.sqrt(3))
+    assert results["groups"][0]["margin"] is None
+    # b - ref = (-2, -1, 0): mean -1, se 1/sqrt(3), z -sqrt(3), -25 % of the ref's mean 4
+    diff = results["runs"]["b"]["vs_reference"]
+    assert diff["diffs"] == {"1": -2.0, "2": -1.0, "3": 0.0}
+    assert diff["mean"] == -1.0 and diff["z"] == pytest.approx(-math.sqrt(3))
+    assert diff["rel_pct"] == -25.0
+    # a - ref = (-1, -1, -1): no spread, se 0, no z
+    assert results["runs"]["a"]["vs_reference"]["se"] == 0.0
+    assert results["runs"]["a"]["vs_reference"]["z"] is None
+    assert results["runs"]["d"]["gemm_time_saving"] == 0.375
+    text = markdown(results, [])
+    assert "| `b` | `0.5` | 2 | 3.0000 ± 0.5774 | -1.0000 ± 0.5774 | -25.00 % | -1.7 |" in text
+
+
+def test_flag_value_takes_the_last_one():
+    assert flag_value(("--a", "1", "--a=2", "--b", "3"), "--a") == "2"
+    assert flag_value(("--a", "1", "--a", "4"), "--a") == "4"
+    assert flag_value(("--ab", "1"), "--a") is None
+
+
+def test_command_line_replaces_and_extends_the_config():
+    config = {"seeds": [1], "base_flags": "--lr 1e-3", "runs": {"x": ""}, "reference": "x"}
+    grid = build_grid(config, {"seeds": "4, 5", "base_flags": "--lr 2e-3", "group_by": "lr"},
+                      ["y=--lr 3e-3"])
+    assert grid.seeds == (4, 5) and grid.group_by == "--lr"
+    assert [grid.group_of(r) for r in grid.runs] == ["2e-3", "3e-3"]
+    with pytest.raises(UsageError, match="no run has that flag"):
+        build_grid(config, {"group_by": "--snip-budget"}, [])
+    with pytest.raises(UsageError, match="expected NAME=FLAGS"):
+        build_grid(config, {}, ["y"])
