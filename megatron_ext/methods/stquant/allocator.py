@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.utils import unwrap_model
 
 from megatron_ext.methods.stquant.score import ScoreEngine
-from megatron_ext.training.distributed import device
+from megatron_ext.training.distributed import device, gather_objects
 from megatron_ext.training.optimizer import MainParam, main_params
 
 
@@ -79,21 +79,13 @@ def _full_numel(model: torch.Tensor) -> int:
     return model.numel() * (tp if getattr(model, "tensor_model_parallel", False) else 1)
 
 
-def _all_gather(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def param_entries(optimizer, model_chunks, min_numel: int) -> tuple[list[ParamEntry], list[str]]:
     """This rank's entries and the model-wide layer list (collective)."""
     names = _checkpoint_names(model_chunks)
     params = list(main_params(optimizer))
     local = sorted({names[id(mp.model)][0] for mp in params
                     if _full_numel(mp.model) >= min_numel})
-    layers = sorted(set().union(*_all_gather(local)))
+    layers = sorted(set().union(*gather_objects(local)))
     index = {name: i for i, name in enumerate(layers)}
     dp_rank = parallel_state.get_data_parallel_rank()
     entries = []
