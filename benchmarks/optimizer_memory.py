@@ -130,6 +130,9 @@ def worker(name: str, argv: list[str]) -> int:
 
 def run_one(name: str, args, work: Path) -> dict:
     run_dir = work / name
+    if run_dir.exists():
+        raise UsageError(f"{run_dir} exists (its metrics would be appended to): use an empty "
+                         "--keep directory")
     train = ["--train-iters", str(args.steps), "--eval-interval", str(args.steps),
              "--eval-iters", str(args.eval_iters), "--log-interval", "1", "--no-save",
              "--seed", str(args.seed), "--run-dir", str(run_dir), *OPTIMIZERS[name]]
@@ -175,14 +178,17 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timings")
     parser.add_argument("--seed", type=int, default=1234, help="the runs' --seed")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep the run directories (metrics, STQuant's widths) under DIR")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup or args.eval_iters < 1:
         raise UsageError("need --steps > --warmup and --eval-iters >= 1")
-    results = []
-    with tempfile.TemporaryDirectory() as work:
+    with tempfile.TemporaryDirectory() as temporary:
+        work = Path(args.keep or temporary)
+        results = []
         for name in args.optimizers:
             print(f"running {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)
-            results.append(run_one(name, args, Path(work)))
+            results.append(run_one(name, args, work))
     print(report(results))
     if args.json:
         write_text_atomic(args.json, json.dumps(results, indent=2) + "\n")
