@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
+from megatron_ext.methods.stquant import dry_run
 from megatron_ext.methods.stquant.optimizer import STQuantConfig, STQuantOptimizer
 from megatron_ext.methods.stquant.quantizer import BITS
 from megatron_ext.methods.stquant.score import ScoreConfig, auto_tau
@@ -102,4 +103,5 @@ def stquant_extension(controller=None) -> Extension:
         return run.optimizer.metrics()
 
     return Extension("stquant", add_arguments=add_arguments, validate=validate,
-                     wrap_optimizer=wrap_optimizer, on_step=on_step)
+                     wrap_optimizer=wrap_optimizer, on_step=on_step,
+                     dry_run_estimate=dry_run.estimate)

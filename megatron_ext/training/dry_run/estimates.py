@@ -18,7 +18,8 @@ them (``megatron_ext/training/optimizer.py``: ``grad_reduce_in_fp32=True``, Adam
 the DP group), else 1 — Megatron-LM's "18 bytes per parameter, 6 + 12/D with the distributed
 optimizer". With FSDP (``--use-torch-fsdp2`` / ``--use-megatron-fsdp``, which this project
 runs with the "optim_grads_params" strategy) all three lines are divided by ``D``.
-STQuant (low-bit optimizer states) has no flag yet, so the optimizer line assumes FP32 states.
+The optimizer line assumes FP32 states; ``--optimizer stquant-adamw`` adds its own column
+(``megatron_ext/methods/stquant/dry_run.py``).
 
 Activations, per layer and micro-batch
 --------------------------------------
