@@ -5,6 +5,10 @@ into row chunks, and each chunk goes through one fixed pipeline of in-place pass
 
     amax per block -> factors -> w = x * quant -> round_(w) -> w *= dequant -> sign fix
 
+The first four passes (:func:`rounded_chunks`) are shared with :func:`.quantized.quantize`,
+which encodes the rounded grid values and the factors' scales instead of multiplying them
+out, so that ``dequantize(quantize(x))`` is ``fake_quant(x)`` bit for bit.
+
 On CPU a chunk is about ``CHUNK_ELEMS`` values so the work tensors stay in cache and
 are reused from chunk to chunk (a fresh 64 MiB temporary costs as much as the whole
 quantization, in page faults alone). On CUDA the whole tensor is one chunk, and the
@@ -15,14 +19,18 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
+from .amax import block_amax, finite_amax
 from .elements import CastElement
 from .registry import Format, get_format
 from .rounding import uniform_noise_, work_dtype
+from .scaling import Factors, Scaling
 
-__all__ = ["CHUNK_ELEMS", "fake_quant", "fake_quant_2d"]
+__all__ = ["CHUNK_ELEMS", "RoundedChunk", "fake_quant", "fake_quant_2d", "rounded_chunks"]
 
 CHUNK_ELEMS = 1 << 19
 """Values per chunk on CPU (2 MiB of float32; measured best on a 2-core box)."""
@@ -30,7 +38,8 @@ CHUNK_ELEMS = 1 << 19
 BACKEND_ENV = "MEGATRON_EXT_FORMATS_BACKEND"
 """Set to ``torch`` to keep CUDA tensors on the torch reference (default ``auto``)."""
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The input dtypes quantization takes."""
 
 
 @torch.no_grad()
@@ -49,19 +58,36 @@ def fake_quant(
     Not differentiable: wrap it in a straight-through estimator for training.
     """
     fmt = get_format(fmt)
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"fake_quant takes float32/bfloat16/float16/float64, got {x.dtype}")
+    check_dtype(x, "fake_quant")
     if x.numel() == 0:
         return x.clone()
+    x2, axis = to_2d(x, axis)
+    return from_2d(_dispatch(x2, fmt, generator), x.shape, axis)
+
+
+def check_dtype(x: torch.Tensor, caller: str) -> None:
+    """``TypeError`` unless ``x`` is a float32 / bfloat16 / float16 / float64 tensor."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{caller} takes float32/bfloat16/float16/float64, got {x.dtype}")
+
+
+def to_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, int]:
+    """The contiguous ``(rows, cols)`` view of ``x`` with ``axis`` moved innermost, and
+    ``axis`` made non-negative (``IndexError`` when out of range; a 0-d ``x`` is 1x1)."""
     if x.ndim == 0:
-        return fake_quant(x.reshape(1), fmt, generator=generator).reshape(())
-    axis = range(x.ndim)[axis]  # IndexError for an axis out of range
+        return x.reshape(1, 1), 0
+    axis = range(x.ndim)[axis]
     moved = x.movedim(axis, -1)
-    x2 = moved.reshape(-1, moved.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = _dispatch(x2, fmt, generator).view(moved.shape)
-    return y if axis == x.ndim - 1 else y.movedim(-1, axis).contiguous()
+    return moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]).contiguous(), axis
+
+
+def from_2d(y2: torch.Tensor, shape: tuple[int, ...], axis: int) -> torch.Tensor:
+    """:func:`to_2d` reversed: the ``(rows, cols)`` tensor ``y2`` back to ``shape``."""
+    if len(shape) == 0:
+        return y2.reshape(())
+    shape = tuple(shape)
+    y = y2.view(shape[:axis] + shape[axis + 1 :] + shape[axis : axis + 1])
+    return y if axis == len(shape) - 1 else y.movedim(-1, axis).contiguous()
 
 
 def _dispatch(x2: torch.Tensor, fmt: Format, generator) -> torch.Tensor:
@@ -82,118 +108,139 @@ def fake_quant_2d(
     chunk_elems: int | None = None,
 ) -> torch.Tensor:
     """The torch reference on a contiguous 2-D tensor, blocks along dim 1."""
-    element, scaling = fmt.element, fmt.scaling
-    if isinstance(element, CastElement):
-        y = x.to(element.dtype).to(x.dtype)
+    if isinstance(fmt.element, CastElement):
+        y = x.to(fmt.element.dtype).to(x.dtype)
         return y.clone() if y is x else y
+    y = torch.empty_like(x)
+    for chunk in rounded_chunks(x, fmt, generator, chunk_elems, out=y):
+        rows = slice(chunk.start, chunk.start + chunk.w4.shape[0] * chunk.w4.shape[1])
+        xc, yc = x[rows], y[rows]
+        if chunk.factors is not None:
+            chunk.w4.mul_(chunk.factors.dequant)
+        out = chunk.w[:, : x.shape[1]]
+        out.copysign_(xc)  # rounding to zero gives +0; keep the input's sign like a real cast
+        if not chunk.direct:
+            yc.copy_(out)
+        if chunk.nonfinite:  # NaN and inf pass through unchanged
+            torch.where(torch.isfinite(xc), yc, xc, out=yc)
+    return y
+
+
+class Blocking(NamedTuple):
+    """How a ``(rows, cols)`` tensor is cut into scale blocks and row chunks."""
+
+    block_cols: int
+    """Columns per block (``cols`` when the scaling spans the whole axis)."""
+    padded: int
+    """``cols`` rounded up to whole blocks (the width of the work tensors)."""
+    group: int
+    """Rows per block (1 when the scaling spans all rows)."""
+    chunk_rows: int
+    """Rows per chunk (a multiple of ``group``)."""
+
+    def chunks(self, rows: int) -> Iterator[tuple[int, int]]:
+        """Row ranges of ``chunk_rows``; a ragged tail is split so that each range is whole
+        groups or one partial group."""
+        r0 = 0
+        while r0 < rows:
+            r1 = min(r0 + self.chunk_rows, rows)
+            if (r1 - r0) % self.group and r1 - r0 > self.group:
+                r1 = r0 + (r1 - r0) // self.group * self.group
+            yield r0, r1
+            r0 = r1
+
+    def shape4(self, rows: int) -> tuple[int, int, int, int]:
+        """The blocked view ``(groups, group_rows, blocks, block_cols)`` of a chunk."""
+        group = min(self.group, rows)
+        return rows // group, group, self.padded // self.block_cols, self.block_cols
+
+
+def blocking(x: torch.Tensor, scaling: Scaling, chunk_elems: int | None = None) -> Blocking:
+    """The :class:`Blocking` of the 2-D ``x`` (CPU: chunks of about ``chunk_elems`` or
+    :data:`CHUNK_ELEMS` values; other devices: one chunk)."""
     rows, cols = x.shape
     block_cols = scaling.cols or cols
     padded = -(-cols // block_cols) * block_cols
     group = scaling.rows or 1
     if chunk_elems is None:
         chunk_elems = CHUNK_ELEMS if x.device.type == "cpu" else rows * padded
-    chunk_rows = max(group, chunk_elems // padded // group * group)
+    chunk_rows = max(group, chunk_elems // max(padded, 1) // group * group)
+    return Blocking(block_cols, padded, group, chunk_rows)
+
+
+class RoundedChunk(NamedTuple):
+    """One row chunk after the shared passes (amax, factors, scale, round)."""
+
+    start: int
+    """First row of the chunk in the 2-D tensor."""
+    w4: torch.Tensor
+    """The rounded grid values ``q`` (work dtype), blocked ``(groups, group_rows,
+    blocks, block_cols)``, padding columns included; zeros not yet signed."""
+    factors: Factors | None
+    """The chunk's per-block factors (``None``: unscaled)."""
+    nonfinite: bool
+    """Whether the chunk (or, for per-tensor scales, the tensor) has NaN or inf."""
+    direct: bool
+    """Whether ``w4`` is the ``out`` rows themselves (else a work buffer)."""
+
+    @property
+    def w(self) -> torch.Tensor:
+        """``w4`` as ``(rows, padded)``."""
+        return self.w4.view(-1, self.w4.shape[2] * self.w4.shape[3])
+
+
+def rounded_chunks(
+    x: torch.Tensor,
+    fmt: Format,
+    generator: torch.Generator | None = None,
+    chunk_elems: int | None = None,
+    out: torch.Tensor | None = None,
+) -> Iterator[RoundedChunk]:
+    """Scale and round the contiguous 2-D ``x`` (non-empty, ``fmt`` not a cast) chunk by
+    chunk. Each :class:`RoundedChunk` lives in a reused buffer (or in the rows of ``out``,
+    a tensor shaped like ``x``, when it fits): finish with it before taking the next."""
+    element, scaling = fmt.element, fmt.scaling
+    plan = blocking(x, scaling, chunk_elems)
     tensor_amax, nonfinite = None, False
     if scaling.rows is None or scaling.needs_tensor_amax:
-        tensor_amax, nonfinite = _finite_amax(x, dims=(0, 1), keepdim=False)
-    y = torch.empty_like(x)
-    ws = _Workspace(x.device, chunk_rows * padded)
-    for r0, r1 in _row_chunks(rows, group, chunk_rows):
-        _quantize_rows(x[r0:r1], y[r0:r1], fmt, tensor_amax, nonfinite, ws, generator)
-    return y
+        tensor_amax, nonfinite = finite_amax(x, dims=(0, 1), keepdim=False)
+    ws = _Workspace(x.device, plan.chunk_rows * plan.padded)
+    for r0, r1 in plan.chunks(x.shape[0]):
+        target = None if out is None else out[r0:r1]
+        yield _round_rows(x[r0:r1], target, r0, fmt, plan, tensor_amax, nonfinite, ws, generator)
 
 
-def _row_chunks(rows: int, group: int, chunk_rows: int):
-    """Row ranges of ``chunk_rows`` (a multiple of ``group``); a ragged tail is split so
-    that each range is whole groups or one partial group."""
-    r0 = 0
-    while r0 < rows:
-        r1 = min(r0 + chunk_rows, rows)
-        if (r1 - r0) % group and r1 - r0 > group:
-            r1 = r0 + (r1 - r0) // group * group
-        yield r0, r1
-        r0 = r1
-
-
-def _quantize_rows(x, y, fmt, tensor_amax, nonfinite, ws, generator):
-    """Quantize-dequantize the row chunk ``x`` into ``y`` (whole blocks only)."""
+def _round_rows(x, out, start, fmt, plan, tensor_amax, nonfinite, ws, generator) -> RoundedChunk:
+    """Scale and round the row chunk ``x`` (whole blocks only), into ``out`` if it can."""
     element, scaling = fmt.element, fmt.scaling
     rows, cols = x.shape
     work = work_dtype(x.dtype)
-    group = min(scaling.rows or 1, rows)
-    block_cols = scaling.cols or cols
-    padded = -(-cols // block_cols) * block_cols
-    shape4 = (rows // group, group, padded // block_cols, block_cols)
-    staged = x.dtype != work or padded != cols
+    shape4 = plan.shape4(rows)
+    staged = x.dtype != work or plan.padded != cols
     if staged:  # convert / zero-pad into a work buffer
-        w = ws.get("stage", (rows, padded), work)
+        w = ws.get("stage", (rows, plan.padded), work)
         w[:, :cols].copy_(x)
         w[:, cols:].zero_()
         src = w
-    else:  # compute straight into the output
-        w, src = y, x
+    else:  # compute straight into the output (or a work buffer), reading x
+        w = out if out is not None else ws.get("stage", (rows, cols), work)
+        src = x
     w4, src4 = w.view(shape4), src.view(shape4)
     scratch = ws.get("scratch", shape4, _int_of(work))
     if scaling.rows is None:
         amax = tensor_amax
     else:
-        amax, nonfinite = _block_amax(src4, scratch)
+        amax, nonfinite = block_amax(src4, scratch)
     factors = scaling.factors(amax, element, tensor_amax)
     if factors is not None:
         torch.mul(src4, factors.quant, out=w4)
-    elif not staged:
+    elif w is not src:
         w.copy_(x)
     noise = None
     if fmt.stochastic:
         noise = uniform_noise_(ws.get("noise", shape4, work), element.noise_int_bits, generator)
     element.round_(w4, scratch, noise, saturate=scaling.overshoots)
-    if factors is not None:
-        w4.mul_(factors.dequant)
-    out = w[:, :cols] if staged else w
-    out.copysign_(x)  # rounding to zero gives +0; keep the input's sign like a real cast
-    if staged:
-        y.copy_(out)
-    if nonfinite:  # NaN and inf pass through unchanged
-        torch.where(torch.isfinite(x), y, x, out=y)
-
-
-def _finite_amax(v: torch.Tensor, dims: tuple[int, ...], keepdim: bool = True):
-    """Largest finite magnitude of ``v`` over ``dims`` (work dtype), and whether ``v`` had
-    any NaN or inf. Two read-only reductions; the masked recomputation runs only when
-    needed. For whole tensors (blocks use :func:`_block_amax`)."""
-    amax = torch.maximum(v.amax(dims, keepdim=keepdim), v.amin(dims, keepdim=keepdim).neg_())
-    work = work_dtype(v.dtype)
-    if math.isfinite(amax.max()):  # max propagates NaN
-        return amax if amax.dtype == work else amax.to(work), False
-    a = v.abs()
-    a.masked_fill_(~torch.isfinite(a), 0)
-    return a.amax(dims, keepdim=keepdim).to(work), True
-
-
-def _block_amax(v4: torch.Tensor, scratch: torch.Tensor):
-    """Per-block largest finite magnitude of the blocked work tensor ``v4`` (shape
-    ``(groups, group_rows, blocks, block_cols)``), and whether it held NaN or inf.
-
-    ``|v|`` goes into ``scratch`` by clearing sign bits, then one reduction (max-pooling
-    for blocks of 16 or fewer, where torch's inner-dimension reduction is slow)."""
-    a = torch.bitwise_and(v4.view(scratch.dtype), _ABS_MASK[scratch.dtype], out=scratch)
-    a = a.view(v4.dtype)
-    amax = _reduce_blocks(a)
-    if math.isfinite(amax.max()):  # max propagates NaN
-        return amax, False
-    a.masked_fill_(~torch.isfinite(a), 0)
-    return _reduce_blocks(a), True
-
-
-def _reduce_blocks(a: torch.Tensor) -> torch.Tensor:
-    groups, group_rows, blocks, block_cols = a.shape
-    if group_rows == 1 and block_cols <= 16:
-        pooled = torch.nn.functional.max_pool1d(a.view(groups, 1, -1), block_cols)
-        return pooled.view(groups, 1, blocks, 1)
-    return a.amax((1, 3), keepdim=True) if group_rows > 1 else a.amax(3, keepdim=True)
-
-
-_ABS_MASK = {torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}
+    return RoundedChunk(start, w4, factors, nonfinite, direct=w is out)
 
 
 def _int_of(dtype: torch.dtype) -> torch.dtype:
