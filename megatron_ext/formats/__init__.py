@@ -65,7 +65,7 @@ See ``docs/formats.md`` for the table of formats and the measured throughput.
 """
 
 from .elements import ELEMENTS, CastElement, ElementType, FloatElement, IntElement, get_element
-from .quantize import fake_quant, fake_quant_2d
+from .pipeline import fake_quant, fake_quant_2d
 from .quantized import QuantizedTensor, dequantize, quantize
 from .registry import Format, available, get_format, parse_format, register
 from .rounding import Rounding

@@ -2,7 +2,7 @@
 
 Every scaling starts from an amax (:mod:`.scaling`). NaN and ±inf are left out of it, so a
 block holding one is scaled by its finite values (and the special values pass through
-unchanged). Both the torch reference (:mod:`.quantize`) and the Triton kernels
+unchanged). Both the torch reference (:mod:`.pipeline`) and the Triton kernels
 (:mod:`.triton_kernels`) take the tensor amax from here.
 
 The common case is cheap: one read-only reduction pass (or two, for a max and a min), and

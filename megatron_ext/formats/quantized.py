@@ -1,7 +1,7 @@
 """Real quantized tensors: ``quantize`` to packed codes and scales, ``dequantize`` back.
 
 ``fake_quant(x, fmt)`` computes ``q * dequant`` and throws ``q`` away; ``quantize(x, fmt)``
-keeps it: the same passes (:func:`.quantize.rounded_chunks`: amax, factors, ``x * quant``,
+keeps it: the same passes (:func:`.pipeline.rounded_chunks`: amax, factors, ``x * quant``,
 rounding, the same random draws) hand over the rounded grid values ``q`` and each block's
 scale, and those are stored in the format's own bits::
 
@@ -29,7 +29,7 @@ import torch
 
 from .codes import decode, encode, per_byte
 from .elements import CastElement
-from .quantize import FLOAT_DTYPES, blocking, check_dtype, from_2d, rounded_chunks, to_2d
+from .pipeline import FLOAT_DTYPES, blocking, check_dtype, from_2d, rounded_chunks, to_2d
 from .registry import Format, get_format
 from .rounding import work_dtype
 from .scaling import Scaling
@@ -259,14 +259,18 @@ def _check(qt: QuantizedTensor) -> None:
     else:
         want_codes, codes_dtype = (rows, -(-cols // per_byte(element))), torch.uint8
     want_scales = scale_grid(scaling, rows, cols) if scaling.scale_bits else (0,)
+    scales_dtype = scaling.scale_dtype or work_dtype(qt.dtype)
     got = (tuple(qt.codes.shape), qt.codes.dtype, tuple(qt.scales.shape))
     needs_tensor_scale = bool(scaling.scale_bits and scaling.needs_tensor_amax)
-    if got != (want_codes, codes_dtype, want_scales) or needs_tensor_scale != (
-        qt.tensor_scale is not None
+    if (
+        got != (want_codes, codes_dtype, want_scales)
+        or (scaling.scale_bits and qt.scales.dtype != scales_dtype)
+        or needs_tensor_scale != (qt.tensor_scale is not None)
     ):
         raise ValueError(
-            f"QuantizedTensor: codes {got[0]} {got[1]} and scales {got[2]} do not fit "
+            f"QuantizedTensor: codes {got[0]} {got[1]} and scales {got[2]} "
+            f"{qt.scales.dtype} do not fit "
             f"{qt.fmt.name} of shape {qt.shape} along axis {qt.axis} (want codes "
-            f"{want_codes} {codes_dtype}, scales {want_scales}"
+            f"{want_codes} {codes_dtype}, scales {want_scales} {scales_dtype}"
             f"{', and a tensor scale' if needs_tensor_scale else ''})"
         )

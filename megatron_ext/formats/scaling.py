@@ -58,6 +58,8 @@ class Scaling:
 
     #: Storage bits of one scale (for :attr:`Format.effective_bits`).
     scale_bits = 0
+    #: Storage dtype of the block scales (``None``: the work dtype, float32 / float64).
+    scale_dtype = None
     #: Whether :meth:`factors` also needs the amax of the whole tensor.
     needs_tensor_amax = False
     #: Whether scaled values can exceed the element max by half a grid step or more
@@ -145,6 +147,7 @@ class MXScaling(Scaling):
     rows: int | None = 1
     cols: int | None = 32
     scale_bits = 8
+    scale_dtype = torch.uint8
 
     @property
     def name(self) -> str:
@@ -178,6 +181,7 @@ class NVScaling(Scaling):
     rows: int | None = 1
     cols: int | None = 16
     scale_bits = 8
+    scale_dtype = torch.uint8
     needs_tensor_amax = True
 
     @property
