@@ -47,7 +47,7 @@ def decode(codes: torch.Tensor, element: ElementType, dtype: torch.dtype) -> tor
     """The values of the uint8 ``codes`` ``(rows, n)`` as ``(rows, n * per_byte)`` in
     ``dtype`` (a packed row's padding nibble comes back as a trailing 0)."""
     table = _byte_table(element, dtype, codes.device)
-    return table[codes.long()].view(codes.shape[0], -1)
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape[0], -1)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

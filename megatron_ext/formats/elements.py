@@ -135,13 +135,19 @@ class FloatElement(ElementType):
 
     def magnitude_codes(self, a):
         """Exponent field then mantissa field, the OCP bit pattern. A normal value's code is
-        its work-dtype bit pattern shifted right, rebiased; a subnormal's (below
-        ``2**emin``) is its count of steps ``2**(emin - mbits)``."""
+        its work-dtype bit pattern shifted right and rebiased; a subnormal's (below
+        ``2**emin``) is its count of steps ``2**(emin - mbits)``, less than ``2**mbits``.
+
+        Both are computed for every value and the larger kept (no slow ``where``): for a
+        normal value the shifted bits give at least ``2**mbits`` and the step count is
+        capped below that; for a subnormal one the shifted bits of its float32 exponent
+        below ``emin`` come out smaller than its step count (negative for all but the top
+        binade, ``2k - 2**mbits < k`` there)."""
         fb = float_bits(a.dtype)
         codes = torch.bitwise_right_shift(a.view(fb.int_dtype), fb.mantissa_bits - self.mbits)
         codes.sub_((fb.bias + self.emin - 1) << self.mbits)
-        steps = (a * 2.0 ** (self.mbits - self.emin)).to(fb.int_dtype)
-        return torch.where(a < 2.0**self.emin, steps, codes)
+        steps = (a * 2.0 ** (self.mbits - self.emin)).clamp_(max=2**self.mbits - 1)
+        return torch.maximum(codes, steps.to(fb.int_dtype), out=codes)
 
     def magnitude_values(self):
         step = 2.0 ** (self.emin - self.mbits)
