@@ -31,9 +31,9 @@ from megatron.core.utils import unwrap_model
 from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
 from megatron_ext.errors import UsageError
 from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
-from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, local_shards_as_dtensors,
-                                                   matching_local_shards,
-                                                   optimizer_state_as_dtensors)
+from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_optimizer_state,
+                                                   local_shards_as_dtensors,
+                                                   matching_local_shards)
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
 
@@ -146,8 +146,7 @@ class Checkpointer:
             module.load_state_dict(local_shards_as_dtensors(module, loaded["model"][f"chunk{i}"]))
         if weights_only:
             return TrainState()
-        self.optimizer.load_state_dict(loaded["optimizer"])
-        optimizer_state_as_dtensors(self.optimizer)
+        load_optimizer_state(self.optimizer, loaded["optimizer"])
         self.scheduler.load_state_dict(common["scheduler"])
         if same_layout:
             _restore_rng(loaded["rng_state"])

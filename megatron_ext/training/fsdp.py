@@ -29,6 +29,7 @@ from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.errors import UsageError
+from megatron_ext.training.fsdp_checkpoint import fsdp2_sharded_state
 
 
 class TorchFSDP2(TorchFullyShardedDataParallel):
@@ -45,12 +46,13 @@ class TorchFSDP2(TorchFullyShardedDataParallel):
 
 
 def megatron_fsdp_blocker() -> str | None:
-    """Why ``--use-megatron-fsdp`` cannot run here (None on a CUDA machine)."""
+    """Why ``--use-megatron-fsdp`` cannot run here (None on a CUDA machine); the full list of
+    CUDA-only calls is in docs/parallelism.md."""
     if torch.cuda.is_available():
         return None
-    return ("--use-megatron-fsdp needs CUDA: Megatron-FSDP's parameter and gradient buffers "
-            "allocate on torch.cuda.current_device() and order their collectives with CUDA "
-            "streams (see docs/parallelism.md); --use-torch-fsdp2 runs on CPU")
+    return ("--use-megatron-fsdp needs CUDA: Megatron-FSDP builds torch.device('cuda:N'), "
+            "orders its buffers with torch.cuda.Stream()s and reduces gradients with NCCL's "
+            "PREMUL_SUM (and needs the einops package); --use-torch-fsdp2 runs on CPU")
 
 
 def wrap_torch_fsdp2(config: TransformerConfig, chunks, transformer_impl: str) -> list:
@@ -83,7 +85,11 @@ def wrap_megatron_fsdp(config: TransformerConfig, chunks) -> list:
 
 def wrap_fsdp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
     """``--use-torch-fsdp2`` or ``--use-megatron-fsdp`` around this rank's chunks."""
-    if args.use_torch_fsdp2:
-        return wrap_torch_fsdp2(config, chunks, args.transformer_impl)
-    return wrap_megatron_fsdp(config, chunks)
+    if not args.use_torch_fsdp2:
+        return wrap_megatron_fsdp(config, chunks)
+    wrapped = wrap_torch_fsdp2(config, chunks, args.transformer_impl)
+    if args.save or args.load:  # refuse a layout FSDP2 checkpoints cannot describe now, not
+        for chunk in wrapped:   # at the first save
+            fsdp2_sharded_state(chunk.module, chunk.module.sharded_state_dict())
+    return wrapped
 

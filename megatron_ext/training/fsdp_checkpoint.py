@@ -26,7 +26,7 @@ torch 2.13 need help, each fixed here and used by ``checkpointing.py``:
    the shard itself while the optimizer's sharded state dict is built.
 3. **Loading.** dist_checkpointing returns each rank's local shards as plain tensors;
    ``load_state_dict`` and torch's Adam need them as ``DTensor``\\ s like their parameters
-   (:func:`local_shards_as_dtensors`, :func:`optimizer_state_as_dtensors`).
+   (:func:`local_shards_as_dtensors`, :func:`load_optimizer_state`).
 
 Uneven shards (a first dimension not divisible by ``D``) have no consistent global
 description in megatron's scheme, so :func:`fsdp2_sharded_state` refuses them too.
@@ -57,7 +57,7 @@ def _check_even(name: str, param: DTensor, dp: int) -> None:
     if param.shape[0] % dp:
         raise UsageError(f"--use-torch-fsdp2: checkpoints need every parameter's first "
                          f"dimension divisible by the data-parallel size {dp}; '{name}' has "
-                         f"{param.shape[0]}")
+                         f"{param.shape[0]} (choose another data-parallel size, or --no-save)")
 
 
 def swiglu_fc1_shard(factory: ShardedTensorFactory, dp: int) -> ShardedTensor:
@@ -134,14 +134,30 @@ def local_shards_as_dtensors(module: torch.nn.Module, state: dict) -> dict:
     return out
 
 
-def optimizer_state_as_dtensors(optimizer) -> None:
-    """After the optimizer's ``load_state_dict``: each Adam state tensor that is a local shard
-    of a ``DTensor`` parameter becomes a ``DTensor`` again (torch's Adam refuses the mix)."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for param, state in inner.optimizer.state.items():
+def _inner_optimizers(optimizer, state) -> list:
+    """(megatron optimizer, its part of ``state``) pairs, as ChainedOptimizer splits them."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return list(zip(inner, [state] if len(inner) == 1 else state))
+
+
+def load_optimizer_state(optimizer, state) -> None:
+    """``optimizer.load_state_dict(state)`` where parameters may be ``DTensor``\\ s: the FP32
+    main parameters (BF16 runs) are wrapped before megatron copies them in, and each Adam state
+    tensor that is a parameter's local shard after torch's Adam took it (it refuses the mix)."""
+    pairs = _inner_optimizers(optimizer, state)
+    for inner, part in pairs:
+        saved = part.get("fp32_from_fp16_params") if isinstance(part, dict) else None
+        for current_group, saved_group in zip(getattr(inner, "fp32_from_float16_groups", []),
+                                              saved or []):
+            for i, (current, value) in enumerate(zip(current_group, saved_group)):
+                if isinstance(current, DTensor) and not isinstance(value, DTensor):
+                    saved_group[i] = _like(value, current)
+    optimizer.load_state_dict(state)
+    for inner, _ in pairs:
+        for param, param_state in inner.optimizer.state.items():
             if not isinstance(param, DTensor):
                 continue
-            for key, value in state.items():
+            for key, value in param_state.items():
                 if torch.is_tensor(value) and not isinstance(value, DTensor) \
                         and value.shape == param._local_tensor.shape:
-                    state[key] = _like(value, param)
+                    param_state[key] = _like(value, param)
