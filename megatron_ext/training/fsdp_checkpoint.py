@@ -60,21 +60,30 @@ def _check_even(name: str, param: DTensor, dp: int) -> None:
                          f"{param.shape[0]} (choose another data-parallel size, or --no-save)")
 
 
+def swiglu_block_fragment(t: int, tp: int, d: int, dp: int) -> int:
+    """Which of the ``tp·dp`` equal row blocks of the global ``[gate; up]`` fc1 weight is
+    FSDP2 block ``d`` (of ``dp``, even) of TP rank ``t``'s ``[gate_t; up_t]`` (module docstring)."""
+    half = dp // 2
+    return t * half + d if d < half else tp * half + t * half + (d - half)
+
+
 def swiglu_fc1_shard(factory: ShardedTensorFactory, dp: int) -> ShardedTensor:
     """The plain shard of the global ``[gate; up]`` tensor this rank's FSDP2 block of a
     SwiGLU fc1 weight is (module docstring, item 1)."""
-    built = factory.build()
-    if dp % 2 or built[0].key != factory.key:
+    if dp % 2:
         raise UsageError(f"--use-torch-fsdp2 with SwiGLU: checkpoints need an even "
-                         f"data-parallel size (it is {dp}); '{factory.key}'")
+                         f"data-parallel size (it is {dp}; or --no-save)")
+    built = factory.build()  # megatron's two halves: their leading (layer) offsets are kept
+    if built[0].key != factory.key:
+        raise UsageError(f"--use-torch-fsdp2: no FSDP2 checkpoint layout for '{factory.key}' "
+                         "saved as separate gate / up tensors")
     pre = built[0].prepend_axis_num
     prepend = [(axis, built[0].global_offset[axis], built[0].global_shape[axis])
                for axis in range(pre)]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     t = parallel_state.get_tensor_model_parallel_rank()
     d = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    half = dp // 2
-    fragment = t * half + d if d < half else tp * half + t * half + (d - half)
+    fragment = swiglu_block_fragment(t, tp, d, dp)
     return ShardedTensor.from_rank_offsets(factory.key, factory.data, *prepend,
                                            (pre, fragment, tp * dp),
                                            replica_id=factory.replica_id, prepend_axis_num=pre)
