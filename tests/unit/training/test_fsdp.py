@@ -1,8 +1,13 @@
-"""FSDP2 checkpoint layout: the SwiGLU fc1 block -> global fragment map, checked by brute force."""
+"""FSDP2: the checkpoint's SwiGLU fc1 block -> global fragment map (brute force), and the
+flag rules (Megatron-LM's own for FSDP2)."""
+
+import re
 
 import pytest
 import torch
 
+from megatron_ext.errors import UsageError
+from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.fsdp_checkpoint import swiglu_block_fragment
 
 
@@ -22,3 +27,18 @@ def test_fc1_block_is_the_global_fragment_the_map_names(tp, dp):
             assert torch.equal(mine, full[fragment * block:(fragment + 1) * block])
             seen.add(fragment)
     assert seen == set(range(tp * dp))  # every global row written exactly once
+
+
+@pytest.mark.parametrize("family, flags, message", [
+    ("gpt", [], "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights"),
+    ("llama", ["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
+    ("llama", ["--use-megatron-fsdp"], "exclude each other"),
+])
+def test_fsdp2_flag_rules(family, flags, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        parse_args(family, ["--use-torch-fsdp2", *flags])
+
+
+def test_untied_gpt_is_accepted():
+    args = parse_args("gpt", ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"])
+    assert args.use_torch_fsdp2 and args.untie_embeddings_and_output_weights
