@@ -169,7 +169,7 @@ def _check_model_shapes(model_sd: dict, path: str) -> None:
 
 def model_sharded_state(modules) -> dict:
     """The model part of a checkpoint: each chunk's megatron sharded state dict (global keys,
-    so any TP / PP / virtual-PP layout can read it)."""
+    so any TP / PP / virtual-PP / FSDP2 layout can read it; FSDP2: fsdp_checkpoint.py)."""
     return {f"chunk{i}": fsdp2_sharded_state(m, m.sharded_state_dict())
             for i, m in enumerate(modules)}
 

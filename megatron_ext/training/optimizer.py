@@ -13,7 +13,8 @@ from megatron.core.transformer import TransformerConfig
 
 
 def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
-    """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32)."""
+    """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32), or
+    with --use-torch-fsdp2 / --use-megatron-fsdp megatron-core's FSDP wrappers (fsdp.py)."""
     if args.use_torch_fsdp2 or args.use_megatron_fsdp:
         from megatron_ext.training.fsdp import wrap_fsdp
 
