@@ -24,10 +24,10 @@ def free_port() -> int:
 
 
 def launch(args: list[str], nproc: int = 1, family: str = "llama", timeout: int = 300,
-           check: bool = True, script=None) -> subprocess.CompletedProcess:
-    """Run pretrain_<family>.py (or ``script``) with ``args``; under torchrun (gloo) when
-    nproc > 1."""
-    script = str(script or REPO / f"pretrain_{family}.py")
+           check: bool = True, script: str | None = None) -> subprocess.CompletedProcess:
+    """Run pretrain_<family>.py (or ``script``, a path under the repository) with ``args``;
+    under torchrun (gloo) when nproc > 1."""
+    script = str(REPO / (script or f"pretrain_{family}.py"))
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:

@@ -64,9 +64,11 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="megatron-core TorchFullyShardedDataParallel (GPU only, see docs)")
+                   help="shard weights, gradients and optimizer state over data parallel with "
+                        "megatron-core's TorchFullyShardedDataParallel (torch FSDP2; GPU or "
+                        "CPU, with TP and PP; needs untied embeddings; docs/parallelism.md)")
     g.add_argument("--use-megatron-fsdp", action="store_true",
-                   help="megatron-core Megatron-FSDP (GPU only, see docs)")
+                   help="megatron-core Megatron-FSDP (GPU only; docs/parallelism.md)")
     g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
 
 
@@ -183,6 +185,19 @@ def _validate_rope_and_activation(args: argparse.Namespace) -> None:
            "--openai-gelu selects the GeLU of a GeLU MLP; --swiglu uses SiLU (pass --no-swiglu)")
 
 
+def _validate_fsdp(args: argparse.Namespace) -> None:
+    """The FSDP flags' rules (docs/parallelism.md; Megatron-LM enforces the same two for FSDP2)."""
+    _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
+           "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
+    if not args.use_torch_fsdp2:
+        return
+    _check(not args.use_distributed_optimizer,
+           "--use-torch-fsdp2 shards the optimizer state itself: drop --use-distributed-optimizer")
+    _check(bool(args.untie_embeddings_and_output_weights),
+           "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights: a tied output layer "
+           "would read the embedding's sharded weight outside its FSDP unit")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Every layout / range check, each with its own one-line message."""
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -245,8 +260,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check(not (args.data_path and args.mock_data), "--data-path and --mock-data exclude each other")
     _check(args.load is None or os.path.isdir(args.load),
            f"--load: checkpoint directory '{args.load}' does not exist")
-    _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
-           "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
+    _validate_fsdp(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters is None:

@@ -31,6 +31,9 @@ from megatron.core.utils import unwrap_model
 from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
 from megatron_ext.errors import UsageError
 from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
+from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_optimizer_state,
+                                                   local_shards_as_dtensors,
+                                                   matching_local_shards)
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
 
@@ -105,8 +108,9 @@ class Checkpointer:
 
     def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
         model_sd = self._model_state()
-        state = {"model": model_sd,
-                 "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        with matching_local_shards():  # FSDP2 (fsdp_checkpoint.py); a no-op for DDP
+            optimizer_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state = {"model": model_sd, "optimizer": optimizer_sd}
         if with_rng:
             state["rng_state"] = _rng_state()
         return state
@@ -139,10 +143,10 @@ class Checkpointer:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UsageError(f"--load: cannot read checkpoint '{path}': {first}") from exc
         for i, module in enumerate(self.modules):
-            module.load_state_dict(loaded["model"][f"chunk{i}"])
+            module.load_state_dict(local_shards_as_dtensors(module, loaded["model"][f"chunk{i}"]))
         if weights_only:
             return TrainState()
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        load_optimizer_state(self.optimizer, loaded["optimizer"])
         self.scheduler.load_state_dict(common["scheduler"])
         if same_layout:
             _restore_rng(loaded["rng_state"])
@@ -165,8 +169,9 @@ def _check_model_shapes(model_sd: dict, path: str) -> None:
 
 def model_sharded_state(modules) -> dict:
     """The model part of a checkpoint: each chunk's megatron sharded state dict (global keys,
-    so any TP / PP / virtual-PP layout can read it)."""
-    return {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+    so any TP / PP / virtual-PP / FSDP2 layout can read it; FSDP2: fsdp_checkpoint.py)."""
+    return {f"chunk{i}": fsdp2_sharded_state(m, m.sharded_state_dict())
+            for i, m in enumerate(modules)}
 
 
 def save_weights_only(modules, save_dir: str, iteration: int = 0, **metadata) -> str:

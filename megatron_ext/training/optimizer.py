@@ -1,4 +1,5 @@
-"""DDP wrapping, the megatron-core optimizer (AdamW, optionally distributed) and LR schedule."""
+"""DDP wrapping (FSDP: ``fsdp.py``), the megatron-core optimizer (AdamW, optionally
+distributed) and LR schedule."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.errors import UsageError
-
 
 def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
-    """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32)."""
+    """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32), or
+    with --use-torch-fsdp2 / --use-megatron-fsdp megatron-core's FSDP wrappers (fsdp.py)."""
     if args.use_torch_fsdp2 or args.use_megatron_fsdp:
-        return _wrap_fsdp(args, config, chunks)
+        from megatron_ext.training.fsdp import wrap_fsdp
+
+        config.finalize_model_grads_func = finalize_model_grads
+        return wrap_fsdp(args, config, chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -25,30 +28,6 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> lis
     wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                        disable_bucketing=i > 0)
                for i, chunk in enumerate(chunks)]
-    config.finalize_model_grads_func = finalize_model_grads
-    return wrapped
-
-
-def _wrap_fsdp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
-    """Fully sharded data parallel through megatron-core's own wrappers (GPU only)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("--use-torch-fsdp2 / --use-megatron-fsdp need CUDA: megatron-core's "
-                         "FSDP wrappers place parameters on the GPU (see docs/parallelism.md)")
-    if args.use_torch_fsdp2:
-        from megatron.core.distributed.torch_fully_sharded_data_parallel import (
-            TorchFullyShardedDataParallel,
-        )
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
-        wrapped = [TorchFullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-    else:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, use_megatron_fsdp=True,
-            data_parallel_sharding_strategy="optim_grads_params")
-        wrapped = [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
-                   for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped
 
@@ -65,8 +44,8 @@ def build_optimizer(args: argparse.Namespace, model: list):
         clip_grad=args.clip_grad,
         bf16=bool(args.bf16),
         params_dtype=model[0].config.params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer
-        or args.use_torch_fsdp2 or args.use_megatron_fsdp,
+        # FSDP2's shards go to the ordinary optimizer; Megatron-FSDP needs the distributed one
+        use_distributed_optimizer=args.use_distributed_optimizer or args.use_megatron_fsdp,
     )
     return get_megatron_optimizer(config, model)
 
