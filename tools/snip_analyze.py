@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.methods.snip import cli_args  # noqa: E402
 from megatron_ext.methods.snip.ilp import solve  # noqa: E402
-from megatron_ext.io import write_json_atomic  # noqa: E402
+from megatron_ext.errors import UsageError  # noqa: E402
+from megatron_ext.io import check_output, write_json_atomic  # noqa: E402
 from megatron_ext.methods.snip.problem import Problem  # noqa: E402
 
 
@@ -101,9 +102,10 @@ def load_problem(args: argparse.Namespace) -> tuple[Problem, dict, dict]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_output(args.out, "--out", kind="file")
         problem, run_args, source = load_problem(args)
         config = cli_args.solver_config(args, run_args)
-    except ValueError as err:
+    except (UsageError, ValueError) as err:
         fail(str(err))
     mode = cli_args.stage_balance_of(args, run_args)
     with warnings.catch_warnings(record=True) as caught:

@@ -18,6 +18,7 @@ from megatron_ext.training import dry_run
 from megatron_ext import extension as ext
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.distributed import resolve_launch
+from megatron_ext.training.outputs import check_run_outputs
 from megatron_ext.errors import UsageError
 
 
@@ -98,6 +99,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
             extension.validate(args)
     if simulated:
         return dry_run.run(args, simulated)
+    check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
     run = setup(args, list(extensions))
     logger = None
     if dist.get_rank() == 0:
