@@ -13,10 +13,8 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron_ext.data.corpus import (  # noqa: E402
     DEFAULT_VOCAB_SIZE,

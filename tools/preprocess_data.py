@@ -13,10 +13,8 @@ one ``error:`` line and exit 2; no partial output is left behind. The logic live
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_ext.errors import UsageError, run_cli  # noqa: E402

@@ -78,7 +78,8 @@ def _announce(family: str, args, run: TrainingRun) -> None:
     n_params = sum(p.numel() for c in run.model for p in c.parameters())
     print(f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
           f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-          f"DP={args.data_parallel} | {args.num_microbatches} micro-batches/step | "
+          f"DP={args.data_parallel} | {args.num_microbatches} "
+          f"micro-batch{'es' if args.num_microbatches != 1 else ''}/step | "
           f"run dir {args.run_dir}", flush=True)
 
 
