@@ -32,6 +32,12 @@ def _layout_flags(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, help=help_text)
 
 
+def _unverified_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load-unverified", action="store_true",
+                        help="accept a checkpoint without checksums.json (its files are then "
+                             "not verified)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = HelpFormatter
     parser = argparse.ArgumentParser(
@@ -52,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model-config", help="megatron_model.json or a run's args.json "
                        "(default: the description hf-to-megatron stored in the checkpoint)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="safetensors shard size")
+    _unverified_flag(to_hf)
     check = sub.add_parser("verify", help="compare megatron and Hugging Face logits (FP32)",
                            formatter_class=defaults)
     check.add_argument("--hf-dir", required=True, help="the Hugging Face model (config.json + "
@@ -60,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the megatron checkpoint (save root or iter_*)")
     check.add_argument("--model-config", help="as for megatron-to-hf")
     _layout_flags(check, "layout to run the megatron model at (torchrun when T x P > 1)")
+    _unverified_flag(check)
     check.add_argument("--atol", type=float, default=1e-4, help="fail above this difference")
     check.add_argument("--batch-size", type=int, default=2,
                        help="random sequences to compare the logits on")
@@ -92,7 +100,8 @@ def _megatron_to_hf(args, argv) -> int:
     from megatron_ext.convert.to_hf import megatron_to_hf
 
     _single_process("megatron-to-hf")
-    megatron_to_hf(args.load, args.out, args.model_config, parse_size(args.max_shard_size))
+    megatron_to_hf(args.load, args.out, args.model_config, parse_size(args.max_shard_size),
+                   args.load_unverified)
     report_peak_memory()
     return 0
 
@@ -126,7 +135,7 @@ def _verify(args, argv) -> int:
 
     if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
         raise UsageError(f"--hf-dir: no config.json in '{args.hf_dir}'")
-    ckpt_dir = resolve_checkpoint_dir(args.load)
+    ckpt_dir = resolve_checkpoint_dir(args.load, args.load_unverified)
     spec = find_spec(ckpt_dir, args.model_config)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     launch = resolve_launch()

@@ -153,6 +153,9 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, help="checkpoint dir (default: <run-dir>/checkpoints)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint at all")
     g.add_argument("--load", default=None, help="resume from this checkpoint dir")
+    g.add_argument("--load-unverified", action="store_true",
+                   help="with --load: accept a checkpoint without checksums.json (written "
+                        "before checksums existed); its files are then not verified")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: take the model weights only (fresh optimizer, step 0)")
     g.add_argument("--save-interval", type=int, default=None,
@@ -288,8 +291,9 @@ def validate_args(args: argparse.Namespace) -> None:
                "the interleaved schedule needs the number of micro-batches to be a multiple "
                "of PP")
     _check(not (args.data_path and args.mock_data), "--data-path and --mock-data exclude each other")
-    _check(args.load is None or os.path.isdir(args.load),
-           f"--load: checkpoint directory '{args.load}' does not exist")
+    if args.load is not None:
+        from megatron_ext.training.checkpointing import locate_checkpoint
+        locate_checkpoint(args.load)  # a file, missing, a dangling pointer: one line, now
     _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
            "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
     if args.lr_decay_iters is None:

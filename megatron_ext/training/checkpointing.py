@@ -66,10 +66,13 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def resolve_checkpoint_dir(path: str) -> str:
-    """``--load`` accepts a save root (uses its latest pointer) or one iteration directory.
-    The directory is verified before anything reads it: checksums, and no pickled code
-    (checkpoint_integrity). Collective when torch.distributed is initialized."""
+def locate_checkpoint(path: str) -> str:
+    """The iteration directory ``--load PATH`` names: PATH itself, or the one its latest
+    pointer names. ``UsageError`` saying precisely what is wrong (not a folder, missing,
+    corrupt or dangling pointer, no checkpoint). Reads no checkpoint file; not collective."""
+    if os.path.isfile(path):
+        raise UsageError(f"--load: '{path}' is a file; give a checkpoint folder (a save root "
+                         f"with {TRACKER}, or one iter_* folder)")
     if not os.path.isdir(path):
         raise UsageError(f"--load: checkpoint directory '{path}' does not exist")
     tracker = os.path.join(path, TRACKER)
@@ -78,10 +81,23 @@ def resolve_checkpoint_dir(path: str) -> str:
             text = f.read().strip()
         if not text.isdigit():
             raise UsageError(f"--load: corrupt {tracker} (expected an iteration number)")
-        path = os.path.join(path, f"iter_{int(text):07d}")
+        target = os.path.join(path, f"iter_{int(text):07d}")
+        if not os.path.isdir(target):
+            raise UsageError(f"--load: {tracker} is dangling: it names iteration {int(text)}, "
+                             f"but '{target}' does not exist")
+        path = target
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise UsageError(f"--load: '{path}' is not a checkpoint (no {TRACKER} or metadata.json)")
-    verify_checkpoint(path)
+    return path
+
+
+def resolve_checkpoint_dir(path: str, unverified: bool = False) -> str:
+    """``--load`` accepts a save root (uses its latest pointer) or one iteration directory.
+    The directory is verified before anything reads it: checksums (a checkpoint without them
+    only with ``unverified``), and no pickled code (checkpoint_integrity). Collective when
+    torch.distributed is initialized."""
+    path = locate_checkpoint(path)
+    verify_checkpoint(path, unverified)
     return path
 
 
@@ -121,10 +137,11 @@ class Checkpointer:
                      extra={name: p.state_dict() for name, p in self.extra.items()})
         return atomic_save(state, self.save_dir, train_state.iteration)
 
-    def load(self, path: str, finetune: bool = False) -> TrainState:
+    def load(self, path: str, finetune: bool = False, unverified: bool = False) -> TrainState:
         """Restore from ``path``. The RNG only if the rank layout is unchanged; only the model
-        weights (and a fresh TrainState) with ``finetune`` or from a weights-only checkpoint."""
-        path = resolve_checkpoint_dir(path)
+        weights (and a fresh TrainState) with ``finetune`` or from a weights-only checkpoint;
+        a checkpoint without checksums only with ``unverified``."""
+        path = resolve_checkpoint_dir(path, unverified)
         try:
             common = dist_checkpointing.load_common_state_dict(path)
             weights_only = finetune or common.get("weights_only", False)

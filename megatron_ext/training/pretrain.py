@@ -70,7 +70,8 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     for extension in extensions:
         if extension.after_setup is not None:
             extension.after_setup(args, ddp_model, ckpt)
-    state = ckpt.load(args.load, args.finetune) if args.load else TrainState()
+    state = ckpt.load(args.load, args.finetune, args.load_unverified) if args.load \
+        else TrainState()
     return TrainingRun(ddp_model, opt, scheduler, (train_ds, valid_ds), state, ckpt)
 
 

@@ -92,7 +92,8 @@ def test_corrupt_checkpoint(tmp_path, filename, content, fragment):
     bad = tmp_path / "bad-ckpt"
     bad.mkdir()
     (bad / filename).write_text(content)
-    proc = _run([*FAST_ARGS, "--train-iters", "2", "--load", str(bad)], tmp_path=tmp_path)
+    proc = _run([*FAST_ARGS, "--train-iters", "2", "--load", str(bad), "--load-unverified"],
+                tmp_path=tmp_path)
     _assert_one_line_error(proc, fragment)
 
 
