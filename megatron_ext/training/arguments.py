@@ -156,6 +156,13 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-unverified", action="store_true",
                    help="with --load: accept a checkpoint without checksums.json (written "
                         "before checksums existed); its files are then not verified")
+    resume = g.add_mutually_exclusive_group()
+    resume.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                        help="with --load: keep the checkpoint's learning-rate schedule even "
+                             "if the flags describe another (a mismatch is an error otherwise)")
+    resume.add_argument("--override-opt_param-scheduler", action="store_true",
+                        help="with --load: use the flags' learning-rate schedule, from the "
+                             "checkpoint's step on, instead of the checkpoint's")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: take the model weights only (fresh optimizer, step 0)")
     g.add_argument("--save-interval", type=int, default=None,

@@ -12,7 +12,8 @@ every rank's step counter, data position and extension states must agree (faults
 load the checksums are verified and no file may hold pickled code (checkpoint_integrity).
 
 What is saved: model and optimizer (sharded tensors: load at another TP / PP layout works),
-LR scheduler, iteration, consumed samples (the data position), the RNG states (restored only
+LR scheduler (a resume that would change it must say which schedule wins:
+schedule_resume), iteration, consumed samples (the data position), the RNG states (restored only
 at the same layout), and whatever later features :meth:`Checkpointer.register`.
 """
 
@@ -33,6 +34,7 @@ from megatron_ext.errors import UsageError
 from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
+from megatron_ext.training.schedule_resume import restore, saved_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -133,7 +135,7 @@ class Checkpointer:
         state = self._sharded_state(is_loading=False, with_rng=True)
         state.update(iteration=train_state.iteration,
                      consumed_samples=train_state.consumed_samples,
-                     scheduler=self.scheduler.state_dict(), layout=_layout(),
+                     scheduler=saved_state(self.scheduler), layout=_layout(),
                      extra={name: p.state_dict() for name, p in self.extra.items()})
         return atomic_save(state, self.save_dir, train_state.iteration)
 
@@ -160,7 +162,9 @@ class Checkpointer:
         if weights_only:
             return TrainState()
         self.optimizer.load_state_dict(loaded["optimizer"])
-        self.scheduler.load_state_dict(common["scheduler"])
+        schedule = restore(self.scheduler, common["scheduler"])  # UsageError on a mismatch
+        if dist.get_rank() == 0:
+            print(schedule, flush=True)
         if same_layout:
             _restore_rng(loaded["rng_state"])
         for name, provider in self.extra.items():

@@ -25,8 +25,9 @@ def _one_error(proc, fragment):
 
 
 def _resume(load, tmp_path, *extra):
-    return launch([*FAST_ARGS, "--train-iters", "3", "--load", str(load), "--no-save",
-                   "--run-dir", str(tmp_path / "run"), *extra], check=False)
+    return launch([*FAST_ARGS, "--train-iters", "3", "--lr-decay-iters", "2", "--load",
+                   str(load), "--no-save", "--run-dir", str(tmp_path / "run"), *extra],
+                  check=False)
 
 
 def test_checkpoint_without_checksums_needs_load_unverified(saved, tmp_path):
