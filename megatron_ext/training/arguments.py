@@ -89,6 +89,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="megatron-core Megatron-FSDP (GPU only, see docs)")
     g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend; auto = NCCL with CUDA, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MIN",
+                   help="a collective that waits longer than this for a peer ends the run "
+                        "with one line naming the peer")
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:
@@ -165,6 +168,8 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                              "checkpoint's step on, instead of the checkpoint's")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: take the model weights only (fresh optimizer, step 0)")
+    g.add_argument("--save-retain", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints under --save (default: keep all)")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (a final checkpoint is always written)")
     g.add_argument("--exit-interval", type=int, default=None,
@@ -246,6 +251,8 @@ def validate_args(args: argparse.Namespace) -> None:
                  "log_interval", "eval_interval"):
         _check(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive")
     _check(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    _check(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    _check(args.save_retain is None or args.save_retain >= 1, "--save-retain must be >= 1")
     _check(args.lr >= 0 and args.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _check(args.min_lr <= args.lr, "--min-lr must not exceed --lr")
     _check(0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1,

@@ -7,7 +7,8 @@ Layout of ``--save DIR``::
 
 A save goes to ``DIR/.tmp_iter_N`` and is renamed into place only when every rank has
 finished (and ``checksums.json`` is written); the ``latest`` pointer is replaced atomically
-last, so a crash mid-save leaves the previous checkpoint and pointer untouched. Before a save
+last, so a crash mid-save leaves the previous checkpoint and pointer untouched. With
+``--save-retain N`` older checkpoints are removed after that, keeping the newest N. Before a save
 every rank's step counter, data position and extension states must agree (faults); before a
 load the checksums are verified and no file may hold pickled code (checkpoint_integrity).
 
@@ -20,6 +21,7 @@ at the same layout), and whatever later features :meth:`Checkpointer.register`.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Protocol
 
@@ -106,8 +108,10 @@ def resolve_checkpoint_dir(path: str, unverified: bool = False) -> str:
 class Checkpointer:
     """Saves and restores the full training state of one rank's model chunks."""
 
-    def __init__(self, save_dir: str | None, model: list, optimizer, scheduler):
+    def __init__(self, save_dir: str | None, model: list, optimizer, scheduler,
+                 retain: int | None = None):
         self.save_dir = save_dir
+        self.retain = retain  # --save-retain: keep the newest N checkpoints (None: all)
         self.model = model
         self.modules = unwrap_model(model)  # the GPTModels inside the DDP wrappers
         self.optimizer = optimizer
@@ -137,7 +141,7 @@ class Checkpointer:
                      consumed_samples=train_state.consumed_samples,
                      scheduler=saved_state(self.scheduler), layout=_layout(),
                      extra={name: p.state_dict() for name, p in self.extra.items()})
-        return atomic_save(state, self.save_dir, train_state.iteration)
+        return atomic_save(state, self.save_dir, train_state.iteration, self.retain)
 
     def load(self, path: str, finetune: bool = False, unverified: bool = False) -> TrainState:
         """Restore from ``path``. The RNG only if the rank layout is unchanged; only the model
@@ -198,9 +202,10 @@ def save_weights_only(modules, save_dir: str, iteration: int = 0, **metadata) ->
     return atomic_save(state, save_dir, iteration)
 
 
-def atomic_save(state: dict, save_dir: str, iteration: int) -> str:
+def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None = None) -> str:
     """dist_checkpointing.save into ``.tmp_iter_N``, rename to ``iter_N`` once every rank is
-    done, then replace the ``latest`` pointer atomically. Collective: all ranks call it."""
+    done, then replace the ``latest`` pointer atomically, then (with ``retain``) remove all
+    but the newest ``retain`` checkpoints. Collective: all ranks call it."""
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}")
     rank0 = dist.get_rank() == 0
@@ -221,5 +226,24 @@ def atomic_save(state: dict, save_dir: str, iteration: int) -> str:
             os.fsync(f.fileno())
         os.replace(pointer + ".tmp", pointer)
         print(f"saved checkpoint {final}", flush=True)
+        if retain:
+            prune_checkpoints(save_dir, iteration, retain)
     dist.barrier()
     return final
+
+
+def prune_checkpoints(save_dir: str, newest: int, retain: int) -> list[int]:
+    """Keep checkpoint ``newest`` (the one just saved) and the ``retain - 1`` highest other
+    iterations; remove the rest, each renamed away first so that a crash mid-delete leaves no
+    half checkpoint under a checkpoint's name. Returns the removed iterations."""
+    found = [int(m.group(1)) for name in os.listdir(save_dir)
+             if (m := re.fullmatch(r"iter_(\d{7})", name))]
+    others = sorted((i for i in found if i != newest), reverse=True)
+    doomed = others[retain - 1:]
+    for i in doomed:
+        os.rename(os.path.join(save_dir, f"iter_{i:07d}"),
+                  os.path.join(save_dir, f".deleting_iter_{i:07d}"))
+    for name in os.listdir(save_dir):  # these, and any a crash left behind
+        if name.startswith(".deleting_iter_"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    return doomed

@@ -18,7 +18,9 @@ from megatron_ext.training import dry_run
 from megatron_ext import extension as ext
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.distributed import resolve_launch
+from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
+from megatron_ext.training.peers import peer_loss_reported
 from megatron_ext.errors import UsageError
 
 
@@ -66,7 +68,7 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     ddp_model = optimizer.wrap_ddp(args, config, chunks)
     opt = optimizer.build_optimizer(args, ddp_model)
     scheduler = optimizer.build_scheduler(args, opt)
-    ckpt = checkpointing.Checkpointer(args.save, ddp_model, opt, scheduler)
+    ckpt = checkpointing.Checkpointer(args.save, ddp_model, opt, scheduler, args.save_retain)
     for extension in extensions:
         if extension.after_setup is not None:
             extension.after_setup(args, ddp_model, ckpt)
@@ -102,6 +104,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     if simulated:
         return dry_run.run(args, simulated)
     check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
+    child_processes.install(bool(args.save))  # checkpoint helpers die with this process
     run = setup(args, list(extensions))
     logger = None
     if dist.get_rank() == 0:
@@ -124,7 +127,8 @@ def main(family: str, extensions: list[ext.Extension] = ()) -> int:
     # never use; they would bury the one line a user needs to read.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
-        pretrain(family, extensions=extensions)
+        with peer_loss_reported():  # a dead or stalled rank: one line (training/peers.py)
+            pretrain(family, extensions=extensions)
     except UsageError as exc:
         if resolve_launch().rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)

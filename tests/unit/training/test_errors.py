@@ -53,6 +53,8 @@ CASES = {
                                    "learned_absolute"], 1, "--use-rope-scaling needs"),
     "rope scaling factor": (["--use-rope-scaling", "--rope-scaling-factor", "0"], 1,
                             "--rope-scaling-factor must be positive"),
+    "distributed timeout not positive": (["--distributed-timeout-minutes", "0"], 1,
+                                         "--distributed-timeout-minutes must be positive"),
     "openai gelu with swiglu": (["--openai-gelu"], 1, "--openai-gelu selects the GeLU"),
 }
 
