@@ -243,6 +243,16 @@ def _validate_rope_and_activation(args: argparse.Namespace) -> None:
            "--openai-gelu selects the GeLU of a GeLU MLP; --swiglu uses SiLU (pass --no-swiglu)")
 
 
+def _validate_run_flags(args: argparse.Namespace) -> None:
+    """The process group's timeout, checkpoint retention, and the --load path (a file, a
+    missing folder, a dangling pointer: one line now, not at load time)."""
+    _check(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    _check(args.save_retain is None or args.save_retain >= 1, "--save-retain must be >= 1")
+    if args.load is not None:
+        from megatron_ext.training.checkpointing import locate_checkpoint
+        locate_checkpoint(args.load)
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Every layout / range check, each with its own one-line message."""
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -251,8 +261,6 @@ def validate_args(args: argparse.Namespace) -> None:
                  "log_interval", "eval_interval"):
         _check(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive")
     _check(args.eval_iters >= 0, "--eval-iters must be >= 0")
-    _check(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
-    _check(args.save_retain is None or args.save_retain >= 1, "--save-retain must be >= 1")
     _check(args.lr >= 0 and args.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _check(args.min_lr <= args.lr, "--min-lr must not exceed --lr")
     _check(0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1,
@@ -305,9 +313,7 @@ def validate_args(args: argparse.Namespace) -> None:
                "the interleaved schedule needs the number of micro-batches to be a multiple "
                "of PP")
     _check(not (args.data_path and args.mock_data), "--data-path and --mock-data exclude each other")
-    if args.load is not None:
-        from megatron_ext.training.checkpointing import locate_checkpoint
-        locate_checkpoint(args.load)  # a file, missing, a dangling pointer: one line, now
+    _validate_run_flags(args)
     _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
            "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
     if args.lr_decay_iters is None:

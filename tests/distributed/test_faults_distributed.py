@@ -42,8 +42,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     stopped = logged_steps(run_dir)
     assert f"received SIGTERM: stopping after step {stopped}, saving a checkpoint" in log
     assert 1 <= stopped < 1000 and latest_iteration(save) == stopped
-    launch([*FAST_ARGS, "--train-iters", str(stopped + 1), "--run-dir",
-            str(tmp_path / "resumed"), "--no-save", "--load", str(save)])
+    launch([*FAST_ARGS, "--train-iters", str(stopped + 1), "--lr-decay-iters", "1000",
+            "--run-dir", str(tmp_path / "resumed"), "--no-save", "--load", str(save)])
     assert sorted(train_losses(tmp_path / "resumed")) == [stopped + 1]
 
 
