@@ -65,8 +65,11 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
-        wd_incr_style="constant",
+        wd_incr_steps=args.lr_decay_iters,  # unused (constant); not --train-iters, which a
+        wd_incr_style="constant",           # resume may change without changing the schedule
         wsd_decay_steps=wsd_steps,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        # on --load: which schedule wins (training/schedule_resume.py)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from megatron_ext.errors import OneLineParser, UsageError, run_cli
+from megatron_ext.io import check_output
 
 
 def _positive_int(text: str) -> int:
@@ -188,6 +189,7 @@ COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolu
 
 def _run(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
+    check_output(args.out, "--out", kind="file")
     figure = COMMANDS[args.command](args)
     from megatron_ext.viz.plots import save_png
 
