@@ -177,13 +177,12 @@ def _quantize_2d(x2: torch.Tensor, fmt: Format, generator) -> dict:
     out = {"codes": codes, "scales": no_scales}
     bad = []
     for chunk in rounded_chunks(x2, fmt, generator):
-        n = chunk.w4.shape[0] * chunk.w4.shape[1]
-        xc = x2[chunk.start : chunk.start + n]
+        xc = x2[chunk.rows]
         if chunk.nonfinite:
             finite = torch.isfinite(xc)
             chunk.w[:, :cols].masked_fill_(~finite, 0)
             bad.append(chunk.start * cols + (~finite).view(-1).nonzero()[:, 0])
-        codes[chunk.start : chunk.start + n] = encode(chunk.w, xc, element)
+        codes[chunk.rows] = encode(chunk.w, xc, element)
         if chunk.factors is not None:
             _store_scales(out, chunk, scaling, rows, cols)
     if bad:
