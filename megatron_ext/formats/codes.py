@@ -43,11 +43,18 @@ def encode(q: torch.Tensor, x: torch.Tensor, element: ElementType) -> torch.Tens
     return pack_nibbles(codes) if per_byte(element) == 2 else codes
 
 
-def decode(codes: torch.Tensor, element: ElementType, dtype: torch.dtype) -> torch.Tensor:
+def decode(
+    codes: torch.Tensor, element: ElementType, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The values of the uint8 ``codes`` ``(rows, n)`` as ``(rows, n * per_byte)`` in
-    ``dtype`` (a packed row's padding nibble comes back as a trailing 0)."""
+    ``dtype`` (a packed row's padding nibble comes back as a trailing 0), into the
+    contiguous ``out`` when given."""
     table = _byte_table(element, dtype, codes.device)
-    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape[0], -1)
+    index = codes.reshape(-1).int()
+    if out is None:
+        return table.index_select(0, index).view(codes.shape[0], -1)
+    torch.index_select(table, 0, index, out=out.view(-1, table.shape[1]))
+    return out
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -113,8 +113,7 @@ def fake_quant_2d(
         return y.clone() if y is x else y
     y = torch.empty_like(x)
     for chunk in rounded_chunks(x, fmt, generator, chunk_elems, out=y):
-        rows = slice(chunk.start, chunk.start + chunk.w4.shape[0] * chunk.w4.shape[1])
-        xc, yc = x[rows], y[rows]
+        xc, yc = x[chunk.rows], y[chunk.rows]
         if chunk.factors is not None:
             chunk.w4.mul_(chunk.factors.dequant)
         out = chunk.w[:, : x.shape[1]]
@@ -188,6 +187,11 @@ class RoundedChunk(NamedTuple):
         """``w4`` as ``(rows, padded)``."""
         return self.w4.view(-1, self.w4.shape[2] * self.w4.shape[3])
 
+    @property
+    def rows(self) -> slice:
+        """The chunk's rows in the 2-D tensor."""
+        return slice(self.start, self.start + self.w4.shape[0] * self.w4.shape[1])
+
 
 def rounded_chunks(
     x: torch.Tensor,
@@ -199,7 +203,7 @@ def rounded_chunks(
     """Scale and round the contiguous 2-D ``x`` (non-empty, ``fmt`` not a cast) chunk by
     chunk. Each :class:`RoundedChunk` lives in a reused buffer (or in the rows of ``out``,
     a tensor shaped like ``x``, when it fits): finish with it before taking the next."""
-    element, scaling = fmt.element, fmt.scaling
+    scaling = fmt.scaling
     plan = blocking(x, scaling, chunk_elems)
     tensor_amax, nonfinite = None, False
     if scaling.rows is None or scaling.needs_tensor_amax:

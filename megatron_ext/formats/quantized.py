@@ -158,9 +158,9 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
 
 def scale_grid(scaling: Scaling, rows: int, cols: int) -> tuple[int, int]:
     """``(row_blocks, col_blocks)`` of a ``rows x cols`` tensor."""
-    return (-(-rows // scaling.rows) if scaling.rows else 1), (
-        -(-cols // scaling.cols) if scaling.cols else 1
-    )
+    row_blocks = -(-rows // scaling.rows) if scaling.rows else 1
+    col_blocks = -(-cols // scaling.cols) if scaling.cols else 1
+    return row_blocks, col_blocks
 
 
 def _quantize_2d(x2: torch.Tensor, fmt: Format, generator) -> dict:
@@ -177,13 +177,12 @@ def _quantize_2d(x2: torch.Tensor, fmt: Format, generator) -> dict:
     out = {"codes": codes, "scales": no_scales}
     bad = []
     for chunk in rounded_chunks(x2, fmt, generator):
-        n = chunk.w4.shape[0] * chunk.w4.shape[1]
-        xc = x2[chunk.start : chunk.start + n]
+        xc = x2[chunk.rows]
         if chunk.nonfinite:
             finite = torch.isfinite(xc)
             chunk.w[:, :cols].masked_fill_(~finite, 0)
             bad.append(chunk.start * cols + (~finite).view(-1).nonzero()[:, 0])
-        codes[chunk.start : chunk.start + n] = encode(chunk.w, xc, element)
+        codes[chunk.rows] = encode(chunk.w, xc, element)
         if chunk.factors is not None:
             _store_scales(out, chunk, scaling, rows, cols)
     if bad:
@@ -227,16 +226,19 @@ def _dequantize_2d(qt: QuantizedTensor) -> torch.Tensor:
         tensor_scale = qt.tensor_scale.to(work) if qt.tensor_scale is not None else None
         dequant = scaling.dequant(scaling.decode_scales(qt.scales, work), tensor_scale)
     plan = blocking(y, scaling)
+    width = qt.codes.shape[1] * per_byte(element)  # decoded row: cols, or cols + 1 nibble
+    direct = width == plan.padded == cols and qt.dtype == work  # no padding, no cast
     for r0, r1 in plan.chunks(rows):
-        q = decode(qt.codes[r0:r1], element, work)
-        if q.shape[1] != plan.padded:  # ragged row: widen to whole blocks
+        q = decode(qt.codes[r0:r1], element, work, out=y[r0:r1] if direct else None)
+        if width != plan.padded:  # ragged row: widen to whole blocks
             q = torch.nn.functional.pad(q[:, :cols], (0, plan.padded - cols))
         if dequant is not None:
             shape4 = plan.shape4(r1 - r0)
             b0 = r0 // scaling.rows if scaling.rows else 0
             d = dequant[b0 : b0 + shape4[0]]
             q.view(shape4).mul_(d.view(d.shape[0], 1, d.shape[1], 1))
-        y[r0:r1] = q[:, :cols]
+        if not direct:
+            y[r0:r1] = q[:, :cols]
     return y
 
 

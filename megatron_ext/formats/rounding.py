@@ -180,4 +180,4 @@ def e8m0_decode(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     fb = _FLOAT_BITS[dtype]
     biased = code.to(fb.int_dtype).add_(fb.bias - 127)
     value = biased.clamp(min=1).bitwise_left_shift_(fb.mantissa_bits).view(dtype)
-    return torch.where(biased == 0, torch.tensor(2.0**-127, dtype=dtype), value)
+    return torch.where(biased == 0, 2.0**-127, value)

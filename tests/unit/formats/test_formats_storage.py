@@ -15,6 +15,7 @@ from formats_reference import block_factors, grid
 
 from megatron_ext.formats import QuantizedTensor, dequantize, fake_quant, get_element, quantize
 from megatron_ext.formats.codes import code_values, pack_nibbles, unpack_nibbles
+from megatron_ext.formats.rounding import e8m0_decode, e8m0_encode
 
 SMALL_ELEMENTS = ["fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1", "int8", "int4"]
 
@@ -84,8 +85,19 @@ def test_a_hand_worked_mxfp4_block():
     assert qt.scales.dtype == torch.uint8 and qt.scales.tolist() == [[127]]
     assert qt.codes.shape == (1, 16) and qt.codes[0, :3].tolist() == [0xD7, 0x81, 0x80]
     assert qt.codes[0, 3:].tolist() == [0] * 13
-    x[0, 0] = 2.0**-130  # amax below 2**-127 * 4: the smallest scale, byte 0
-    assert quantize(x[:, :1].expand(1, 32).contiguous(), "mxfp4").scales.tolist() == [[0]]
+    tiny = torch.full((1, 32), 2.0**-128)  # amax below 2**-127 * 4: the smallest scale
+    qt = quantize(tiny, "mxfp4")
+    assert qt.scales.tolist() == [[0]] and qt.codes[0, 0].item() == 0x11  # 0.5 = 0b0001
+    assert torch.equal(dequantize(qt), tiny)
+    assert torch.equal(dequantize(qt), fake_quant(tiny, "mxfp4"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_every_e8m0_byte_decodes_to_its_power_of_two(dtype):
+    codes = torch.arange(255, dtype=torch.uint8)
+    values = e8m0_decode(codes, dtype)
+    assert values.dtype == dtype and values.tolist() == [2.0 ** (k - 127) for k in range(255)]
+    assert torch.equal(e8m0_encode(values), codes)
 
 
 def test_mx_scale_bytes_follow_the_ocp_rule():
