@@ -5,17 +5,18 @@ faults, SNIP, GNMR, ..., the precision platform last):
 
 1. ``before_step``: the overlay ``gnmr/promotions`` (rule ``raise``) is laid from the plan
    controller's *current* base and the units the last decision left high
-   (:func:`.promote.promotion_overlay`); the platform's ``before_step``, later in the same
-   round, commits it on every rank. Laying it here rather than right after the decision
-   makes it follow a SNIP refresh, which replaces the base earlier in the same round: the
-   promoted sites are lifted from the new base (SNIP's FP8 site to BF16, not the old FP4 one
-   to FP8), and the promotions survive the refresh.
+   (:func:`.promote.promotion_overlay`), whenever either changed; the platform's
+   ``before_step``, later in the same round, commits it on every rank. Laying it here rather
+   than right after the decision makes it follow a SNIP refresh, which replaces the base
+   earlier in the same round: the promoted sites are lifted from the new base (SNIP's FP8
+   site to BF16, not the old FP4 one to FP8), and the promotions survive the refresh.
 2. the step; the optimizer's ``step()`` is wrapped (``wrap_optimizer``) so that, after the
    backward and its DP reduction and **before** megatron clips the gradients (in place, in
    the DDP buffer), this rank's float64 sums of squares of the gradient elements it owns
-   are taken (:meth:`.grads.NormReader.measure`). Reading there is exact for any clip;
-   dividing clipped norms by the clip coefficient afterwards would not be (the coefficient
-   multiplies FP32 values and is applied to the BF16 optimizer's main gradients too).
+   are taken (:meth:`.grads.NormReader.measure`). Reading there gives the unclipped values
+   exactly; recovering them afterwards by dividing by the clip coefficient would carry the
+   rounding of the in-place multiply and need megatron's coefficient
+   (``clip_grad / (norm + 1e-6)``, applied only when below 1), which the loop does not expose.
 3. ``on_step``: one float64 all-reduce over the world gives every rank every unit's norm
    (:meth:`.grads.NormReader.reduce`), :meth:`GnmrController.step` decides the units of step
    ``t + 1``; rank 0 appends the decision's line to ``<run dir>/gnmr/trace.jsonl`` (strict
@@ -69,6 +70,8 @@ class GnmrRun:
         self.gnmr: GnmrController | None = None
         """Algorithm 2 over this run's units (the same on every rank)."""
         self.reader: NormReader | None = None
+        self.laid = (None, ())
+        """(base plan, promoted units) the overlay was last laid from."""
         self.measured = None
         """This step's local squares, from the wrapped ``optimizer.step``."""
         self.seconds = 0.0
@@ -108,14 +111,21 @@ class GnmrRun:
     def before_step(self, args, run, state) -> None:
         start = time.perf_counter()
         if self.config is not None:
-            self.plans.set_overlay(OWNER, OVERLAY, promotion_overlay(
-                self.plans.base.sites, self.gnmr.promoted, self.config.high), rule="raise")
+            self._lay()
         elif (stale := self.plans.overlay(OWNER, OVERLAY)) is not None and stale.sites:
             self.plans.set_overlay(OWNER, OVERLAY, {}, rule="raise")
             if dist.get_rank() == 0:
                 print(f"gnmr: dropping the checkpoint's GNMR promotions of "
                       f"{len(stale.sites)} site(s) (--gnmr is off)", flush=True)
         self.seconds = time.perf_counter() - start
+
+    def _lay(self) -> None:
+        """(Re)lay the overlay if the base plan or the promoted set changed."""
+        base, promoted = self.plans.base, self.gnmr.promoted
+        if base is not self.laid[0] or promoted != self.laid[1]:
+            self.plans.set_overlay(OWNER, OVERLAY, promotion_overlay(
+                base.sites, promoted, self.config.high), rule="raise")
+            self.laid = (base, promoted)
 
     def on_step(self, args, run, state) -> dict | None:
         if self.config is None or run.step_result["skipped"]:
@@ -133,7 +143,7 @@ class GnmrRun:
             return None
         start = time.perf_counter()
         self.measured = None
-        norms = self.reader.reduce(NormReader.measure(run.model))
+        norms = self.reader.reduce(self.reader.measure(run.model))
         return self._report(self.gnmr.on_nonfinite(state.iteration, norms), start)
 
     def on_train_end(self, args, run, state) -> None:

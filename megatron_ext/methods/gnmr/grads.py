@@ -99,14 +99,17 @@ class NormReader:
         """Unit ids, in the order of the norm vector."""
         self.granularity = granularity
         """``block`` or ``site`` (:mod:`.units`)."""
+        self.parts: list[tuple[str, torch.Tensor]] | None = None
+        """:func:`owned_parts`, found at the first :meth:`measure` (views into the DDP
+        gradient buffers, which live as long as the model)."""
 
-    @staticmethod
-    def measure(model: list) -> tuple[list[str], torch.Tensor]:
+    def measure(self, model: list) -> tuple[list[str], torch.Tensor]:
         """Site ids and the float64 sums of squares of their owned parts (on the device, no
         host sync): call before the optimizer step (module docstring)."""
-        parts = owned_parts(model)
-        sums = [_square_sum(part) for _, part in parts]
-        return [sid for sid, _ in parts], \
+        if self.parts is None:
+            self.parts = owned_parts(model)
+        sums = [_square_sum(part) for _, part in self.parts]
+        return [sid for sid, _ in self.parts], \
             torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
 
     def reduce(self, measured: tuple[list[str], torch.Tensor]) -> np.ndarray:

@@ -1,0 +1,85 @@
+"""GNMR's controller cost as a share of the step time, measured in one run (not a test).
+
+    python benchmarks/gnmr_overhead.py runs/gnmr_overhead           # analyse a finished run
+    python benchmarks/gnmr_overhead.py runs/gnmr_overhead --train   # make the run, then analyse
+    python benchmarks/gnmr_overhead.py runs/gnmr_site --train --extra --gnmr-granularity site
+
+Every record of a ``--gnmr`` run carries ``gnmr_s``: the seconds GNMR spent on that step —
+laying its overlay before the step, the float64 sums of squares of the owned weight
+gradients inside the wrapped ``optimizer.step`` (before clipping), and after the step the
+one all-reduce, Algorithm 1-2 and the trace line (``megatron_ext/methods/gnmr/extension.py``).
+``step_time_s`` is the training step (forward, backward, optimizer: the squares included,
+the hooks not). This reports, over the steps after the first ``--skip``:
+
+* ``Σ gnmr_s / Σ step_time_s`` and the median of the per-step ratios (target <= 1 %);
+* the medians of both in ms;
+* what GNMR decided: promotions, the share of unit-steps run high, plan switches.
+
+Not counted: the precision platform's commit of a changed plan (one per step whose promoted
+set changed; it applies formats and writes ``precision_plan.json``), nor the cost of running
+promoted units in higher precision (the method's cost, not the controller's). ``--train``
+makes the run with :data:`TRAIN_FLAGS` through ``benchmarks/precision_quality.py``'s
+:func:`train` (the embedded corpus, the tiny Llama, GNMR's default thresholds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from precision_quality import read_metrics, train
+
+TRAIN_FLAGS = ["--precision", "uniform:fp4", "--gnmr", "--train-iters", "150", "--seed", "1234",
+               "--log-interval", "1", "--eval-iters", "0"]
+"""The run ``--train`` makes."""
+
+
+def report(run_dir: Path, skip: int) -> str:
+    args = json.loads((run_dir / "args.json").read_text())
+    records = {r["step"]: r for r in read_metrics(run_dir) if "gnmr_s" in r}  # last one wins
+    steps = [records[t] for t in sorted(records) if t > skip]
+    if not steps:
+        raise SystemExit(f"{run_dir}: no records with gnmr_s after step {skip} (a --gnmr run "
+                         "with --log-interval 1?)")
+    gnmr = [r["gnmr_s"] for r in steps]
+    step = [r["step_time_s"] for r in steps]
+    units = args["num_layers"] * (4 if args.get("gnmr_granularity") == "site" else 1)
+    high = sum(r["gnmr_units_high"] for r in steps) / (units * len(steps))
+    switches = sum("precision_changed_sites" in r for r in steps)
+    return "\n".join([
+        f"{run_dir}: {len(steps)} steps after {skip}, {units} units "
+        f"({args.get('gnmr_granularity') or 'block'}), {args['model']} model",
+        f"- GNMR per step: median {1e3 * statistics.median(gnmr):.2f} ms; training step: "
+        f"median {1e3 * statistics.median(step):.1f} ms",
+        f"- controller cost: sum {100 * sum(gnmr) / sum(step):.3f} % of the step time, "
+        f"median per step {100 * statistics.median(g / s for g, s in zip(gnmr, step)):.3f} % "
+        f"(target <= 1 %)",
+        f"- decisions: {sum(r['gnmr_promotions'] for r in steps)} promotions, "
+        f"{100 * high:.2f} % of unit-steps high, {switches} plan switches",
+    ]) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="a --gnmr run's directory (metrics.jsonl, args.json)")
+    p.add_argument("--train", action="store_true",
+                   help="first make the run there with TRAIN_FLAGS (replacing an unfinished one)")
+    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="with --train: further pretrain flags (put last)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    if args.train:
+        train(run_dir.name, [*TRAIN_FLAGS, *args.extra], run_dir.parent, reuse=True)
+    print(report(run_dir, args.skip), end="")
+
+
+if __name__ == "__main__":
+    main()
