@@ -12,7 +12,8 @@ one all-reduce, Algorithm 1-2 and the trace line (``megatron_ext/methods/gnmr/ex
 the hooks not). This reports, over the steps after the first ``--skip``:
 
 * ``Σ gnmr_s / Σ step_time_s`` and the median of the per-step ratios (target <= 1 %);
-* the medians of both in ms;
+* the medians of both in ms, and the steps where GNMR took over 10x its median (on a shared
+  machine: the process was descheduled), with the sum ratio without them;
 * what GNMR decided: promotions, the share of unit-steps run high, plan switches.
 
 Not counted: the precision platform's commit of a changed plan (one per step whose promoted
@@ -48,6 +49,9 @@ def report(run_dir: Path, skip: int) -> str:
     units = args["num_layers"] * (4 if args.get("gnmr_granularity") == "site" else 1)
     high = sum(r["gnmr_units_high"] for r in steps) / (units * len(steps))
     switches = sum("precision_changed_sites" in r for r in steps)
+    usual = [(g, s) for g, s in zip(gnmr, step) if g <= 10 * statistics.median(gnmr)]
+    stalls = ", ".join(f"{1e3 * r['gnmr_s']:.0f} ms at step {r['step']}" for r in steps
+                       if r["gnmr_s"] > 10 * statistics.median(gnmr))
     return "\n".join([
         f"{run_dir}: {len(steps)} steps after {skip}, {units} units "
         f"({args.get('gnmr_granularity') or 'block'}), {args['model']} model",
@@ -56,6 +60,8 @@ def report(run_dir: Path, skip: int) -> str:
         f"- controller cost: sum {100 * sum(gnmr) / sum(step):.3f} % of the step time, "
         f"median per step {100 * statistics.median(g / s for g, s in zip(gnmr, step)):.3f} % "
         f"(target <= 1 %)",
+        f"- steps over 10x the median GNMR time: {stalls or 'none'}; without them the sum is "
+        f"{100 * sum(g for g, _ in usual) / sum(s for _, s in usual):.3f} %",
         f"- decisions: {sum(r['gnmr_promotions'] for r in steps)} promotions, "
         f"{100 * high:.2f} % of unit-steps high, {switches} plan switches",
     ]) + "\n"
