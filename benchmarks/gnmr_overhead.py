@@ -25,12 +25,11 @@ makes the run with :data:`TRAIN_FLAGS` through ``benchmarks/precision_quality.py
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from precision_quality import read_metrics, train
+from precision_quality import read_metrics, report_main
 
 TRAIN_FLAGS = ["--precision", "uniform:fp4", "--gnmr", "--train-iters", "150", "--seed", "1234",
                "--log-interval", "1", "--eval-iters", "0"]
@@ -67,25 +66,5 @@ def report(run_dir: Path, skip: int) -> str:
     ]) + "\n"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", type=Path, help="a --gnmr run's directory (metrics.jsonl, args.json)")
-    p.add_argument("--train", action="store_true",
-                   help="first make the run there with TRAIN_FLAGS (replacing an unfinished one)")
-    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                   help="with --train: further pretrain flags (put last)")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    run_dir = args.run_dir.resolve()
-    if args.train:
-        train(run_dir.name, [*TRAIN_FLAGS, *args.extra], run_dir.parent, reuse=True)
-    print(report(run_dir, args.skip), end="")
-
-
 if __name__ == "__main__":
-    main()
+    report_main(__doc__, TRAIN_FLAGS, report)

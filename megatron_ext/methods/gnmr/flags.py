@@ -1,8 +1,9 @@
 """GNMR's flags: ``--gnmr`` and one ``--gnmr-*`` flag per :class:`GnmrConfig` field.
 
-The ``--gnmr-*`` flags default to None on the parser, so :func:`config_from_args` can refuse
-one given without ``--gnmr`` (it would silently do nothing); the defaults themselves are
-:class:`GnmrConfig`'s, quoted in the help. Every bad value is a one-line ``UsageError``.
+The ``--gnmr-*`` flags are absent from the parsed namespace unless given
+(``argparse.SUPPRESS``), so :func:`config_from_args` can refuse one given without
+``--gnmr`` (it would silently do nothing); the defaults themselves are :class:`GnmrConfig`'s,
+quoted in the help. Every bad value is a one-line ``UsageError``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ def _flag(field: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("GNMR: promote units whose gradient norm jumps "
-                                  "(--gnmr, docs/gnmr.md)")
-    g.add_argument("--gnmr", action="store_true",
+                                  "(--gnmr, docs/gnmr.md)", argument_default=argparse.SUPPRESS)
+    g.add_argument("--gnmr", action="store_true", default=False,
                    help="run GNMR over the precision plan (needs --precision or "
                         "--precision-plan): after every step, units whose gradient-norm ratio "
                         "crosses its threshold run the next steps in higher precision")
@@ -43,17 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gnmr-max-promoted", metavar="K",
                    help=f"maxO: units high at once, a count (4; 0 = trace only) or a fraction "
                         f"of the units (0.25); the riskiest win (default {d.max_promoted})")
-    g.add_argument("--gnmr-alpha-init", type=float, metavar="A",
-                   help=f"GNMR threshold during the warm-up stage (default {d.alpha_init})")
-    g.add_argument("--gnmr-alpha", type=float, metavar="A",
-                   help=f"GNMR threshold after the warm-up stage (default {d.alpha})")
+    for name, metric, var in (("alpha", "GNMR", "A"), ("beta", "Δ-GNMR", "B")):
+        for suffix, stage in (("_init", "during"), ("", "after")):
+            g.add_argument(_flag(name + suffix), type=float, metavar=var,
+                           help=f"{metric} threshold {stage} the warm-up stage "
+                                f"(default {getattr(d, name + suffix)})")
     g.add_argument("--gnmr-warmup-frac", type=float, metavar="F",
                    help=f"fraction of --train-iters that uses the -init thresholds "
                         f"(default {d.warmup_frac})")
-    g.add_argument("--gnmr-beta-init", type=float, metavar="B",
-                   help=f"Δ-GNMR threshold during the warm-up stage (default {d.beta_init})")
-    g.add_argument("--gnmr-beta", type=float, metavar="B",
-                   help=f"Δ-GNMR threshold after the warm-up stage (default {d.beta})")
     g.add_argument("--gnmr-delta", type=int, metavar="D",
                    help=f"δ: the window (steps) Δ-GNMR compares with (default {d.delta})")
     g.add_argument("--gnmr-compare", choices=COMPARES,
@@ -65,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> GnmrConfig | None:
     """The run's settings, None without ``--gnmr``; ``UsageError`` (one line) for a bad flag,
     a ``--gnmr-*`` flag without ``--gnmr``, or ``--gnmr`` without a precision plan."""
     given = {f.name: getattr(args, "gnmr_" + f.name) for f in dataclasses.fields(GnmrConfig)
-             if getattr(args, "gnmr_" + f.name) is not None}
+             if hasattr(args, "gnmr_" + f.name)}
     if not args.gnmr:
         if given:
             raise UsageError(f"{_flag(next(iter(given)))} needs --gnmr")
