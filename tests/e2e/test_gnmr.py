@@ -126,6 +126,13 @@ def test_resume_between_promotion_and_demotion_is_exact(tmp_path):
     assert [resumed[t]["grad_norm"] for t in resumed] == [straight[t]["grad_norm"]
                                                          for t in resumed]
     assert resumed[6]["precision_changed_sites"] == _sites(["L2", "L3"])  # the demotion
+    # resumed without --gnmr: nothing would demote the promotions, so they are dropped
+    plain = tmp_path / "plain"
+    proc = launch([*FAST_ARGS, "--precision", "uniform:fp4", "--train-iters", "4",
+                   "--run-dir", str(plain), "--load", str(ckpt), "--no-save"])
+    assert "dropping the checkpoint's GNMR promotions of 8 site(s)" in proc.stdout
+    plan = json.loads((plain / "precision_plan.json").read_text())
+    assert all(f["x"] == FP4_X for f in plan["sites"].values()) and not (plain / "gnmr").exists()
 
 
 def test_snip_refresh_replaces_the_base_and_promotions_survive(tmp_path):
