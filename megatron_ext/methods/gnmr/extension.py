@@ -70,6 +70,7 @@ class GnmrRun:
         self.gnmr: GnmrController | None = None
         """Algorithm 2 over this run's units (the same on every rank)."""
         self.reader: NormReader | None = None
+        """Measures and reduces the unit norms."""
         self.laid = (None, ())
         """(base plan, promoted units) the overlay was last laid from."""
         self.measured = None
@@ -78,7 +79,8 @@ class GnmrRun:
         """Time GNMR spent in the current step so far."""
         self.trace = None
         """The open trace file (rank 0, once written)."""
-        self.args = None
+        self.run_dir: str | None = None
+        """``--run-dir`` (the trace goes under it; None: no trace)."""
 
     def validate(self, args) -> None:
         self.config = flags.config_from_args(args)
@@ -86,7 +88,7 @@ class GnmrRun:
             units = unit_ids(args.num_layers, self.config.granularity)
             self.gnmr = GnmrController.create(self.config, units, args.train_iters)
             self.reader = NormReader(units, self.config.granularity)
-            self.args = args
+            self.run_dir = args.run_dir
 
     # -- hooks ---------------------------------------------------------------------------
     def wrap_optimizer(self, args, model, optimizer):
@@ -154,9 +156,9 @@ class GnmrRun:
     # -- output --------------------------------------------------------------------------
     def _report(self, decision: Decision, start: float) -> dict:
         """Append the trace line (rank 0); the step's metrics."""
-        if dist.get_rank() == 0 and self.args.run_dir:
+        if dist.get_rank() == 0 and self.run_dir:
             if self.trace is None:
-                path = os.path.join(self.args.run_dir, TRACE)
+                path = os.path.join(self.run_dir, TRACE)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 self.trace = open(path, "a", encoding="utf-8")
             self.trace.write(json.dumps(decision.trace, allow_nan=False) + "\n")
