@@ -51,6 +51,25 @@ def train(name: str, flags: list[str], out_dir: Path, reuse: bool = False) -> li
     return read_metrics(run_dir)
 
 
+def report_main(doc: str, train_flags: list[str], report, argv=None) -> None:
+    """The command line of an overhead benchmark (``snip_overhead.py``, ``gnmr_overhead.py``):
+    ``RUN_DIR [--train] [--skip N] [--extra FLAGS...]``; prints ``report(run_dir, skip)``,
+    after making the run with ``train_flags`` (+ ``--extra``) when ``--train`` is given."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="the run's directory (metrics.jsonl, args.json)")
+    p.add_argument("--train", action="store_true",
+                   help="first make the run there (replacing an unfinished one)")
+    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="with --train: further pretrain flags (put last)")
+    args = p.parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    if args.train:
+        train(run_dir.name, [*train_flags, *args.extra], run_dir.parent, reuse=True)
+    print(report(run_dir, args.skip), end="")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of ``run_dir/metrics.jsonl``."""
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:

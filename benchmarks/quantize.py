@@ -3,9 +3,12 @@
 Quantizes a SIZE x SIZE float32 tensor with each format and prints input GB/s beside
 ``clone()`` (the memory-bandwidth floor: one read, one write) and beside torchao's MX /
 NVFP4 emulation when torchao is installed, checking that the results are bit-identical.
+With ``--stored``, also times real quantization (``quantize`` to packed codes and scales,
+``dequantize`` back) and checks that the round trip is ``fake_quant`` bit for bit.
 
     python benchmarks/quantize.py                 # 4096x4096, 2 threads, default formats
     python benchmarks/quantize.py --formats mxfp4 nvfp4 --repeat 10
+    python benchmarks/quantize.py --stored --no-torchao
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from pathlib import Path
 import torch
 
 try:
-    from megatron_ext.formats import fake_quant
+    from megatron_ext.formats import dequantize, fake_quant, quantize
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_ext.formats import fake_quant
+    from megatron_ext.formats import dequantize, fake_quant, quantize
 
 DEFAULT_FORMATS = [
     "mxfp4", "mxfp8", "mxfp6_e2m3", "nvfp4", "mxfp4+sr",
@@ -42,17 +45,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5, help="timed runs per row; the best is kept")
     p.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, help="format names to time")
     p.add_argument("--no-torchao", action="store_true", help="skip the torchao comparison rows")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stored", action="store_true", help="also time quantize / dequantize")
+    p.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall time (default) or this process's CPU time, steadier on a shared box "
+        "(with --threads 1 it is the work done; GB/s then means per CPU second)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input (default 0)")
     return p.parse_args(argv)
 
 
-def best_seconds(fn, repeat: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""The clocks ``--clock`` chooses from."""
+
+
+def best_seconds(fn, repeat: int, clock: str = "wall") -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = CLOCKS[clock]()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCKS[clock]() - t0)
     return min(times)
 
 
@@ -97,12 +112,13 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.size, args.size, generator=gen)
     gbytes = x.numel() * x.element_size() / 1e9
-    clone_s = best_seconds(lambda: x.clone(), args.repeat)
+    clone_s = best_seconds(lambda: x.clone(), args.repeat, args.clock)
     refs = {} if args.no_torchao else torchao_references()
 
     print(
         f"input {args.size}x{args.size} float32 ({gbytes * 1e3:.0f} MB), "
-        f"{torch.get_num_threads()} threads, best of {args.repeat}, torch {torch.__version__}"
+        f"{torch.get_num_threads()} threads, best of {args.repeat} ({args.clock} time), "
+        f"torch {torch.__version__}"
     )
     header = f"{'quantizer':<24}{'ms':>9}{'GB/s':>8}{'x clone':>9}{'vs torchao':>12}  bit-identical"
     print(header)
@@ -112,13 +128,15 @@ def main(argv=None) -> None:
     # and page cache in a state that makes later large allocations cheaper, which would
     # flatter whatever is timed after it
     ours = {
-        name: best_seconds(lambda name=name: fake_quant(x, name), args.repeat)
+        name: best_seconds(lambda name=name: fake_quant(x, name), args.repeat, args.clock)
         for name in args.formats
     }
     theirs, same = {}, {}
     for name, ref in refs.items():
         if name in ours:
-            theirs[name] = best_seconds(lambda ref=ref: ref(x), max(1, args.repeat // 2))
+            theirs[name] = best_seconds(
+                lambda ref=ref: ref(x), max(1, args.repeat // 2), args.clock
+            )
             bits_equal = torch.equal(
                 fake_quant(x, name).view(torch.int32), ref(x).view(torch.int32)
             )
@@ -135,6 +153,27 @@ def main(argv=None) -> None:
         )
     ratios = [seconds / clone_s for seconds in ours.values()]
     print(f"median x clone over {len(ours)} formats: {statistics.median(ratios):.2f}")
+    if args.stored:
+        print_stored(x, args, ours)
+
+
+def print_stored(x: torch.Tensor, args: argparse.Namespace, fake_s: dict) -> None:
+    """Times of quantize / dequantize beside fake_quant's, the bytes stored, and whether
+    the round trip is fake_quant bit for bit (the same seed for +sr)."""
+    header = f"{'stored':<24}{'fake ms':>9}{'quant ms':>10}{'deq ms':>9}{'B/elem':>8}  round trip"
+    print(f"\n{header}\n{'-' * len(header)}")
+    for name in args.formats:
+        qt = quantize(x, name, generator=torch.Generator().manual_seed(0))
+        same = torch.equal(
+            dequantize(qt).view(torch.int32),
+            fake_quant(x, name, generator=torch.Generator().manual_seed(0)).view(torch.int32),
+        )
+        quant_s = best_seconds(lambda name=name: quantize(x, name), args.repeat, args.clock)
+        deq_s = best_seconds(lambda qt=qt: dequantize(qt), args.repeat, args.clock)
+        print(
+            f"{name:<24}{fake_s[name] * 1e3:9.1f}{quant_s * 1e3:10.1f}{deq_s * 1e3:9.1f}"
+            f"{qt.nbytes / x.numel():8.3f}  {'bit-identical' if same else 'DIFFERENT'}"
+        )
 
 
 if __name__ == "__main__":

@@ -29,14 +29,13 @@ quality grid, to have more background steps to compare).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from precision_quality import read_metrics, train
+from precision_quality import read_metrics, report_main
 
 TRAIN_FLAGS = ["--precision", "snip", "--snip-budget", "0.5", "--snip-start", "20",
                "--snip-interval", "20", "--snip-apply-lag", "5", "--train-iters", "200",
@@ -195,25 +194,5 @@ def summary(found: list[Refresh], unit: float, interval: int) -> list[str]:
     return lines
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", type=Path, help="a SNIP run's directory (metrics.jsonl, args.json)")
-    p.add_argument("--train", action="store_true",
-                   help="first make the run there with TRAIN_FLAGS (replacing an unfinished one)")
-    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                   help="with --train: further pretrain flags (put last)")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    run_dir = args.run_dir.resolve()
-    if args.train:
-        train(run_dir.name, [*TRAIN_FLAGS, *args.extra], run_dir.parent, reuse=True)
-    print(report(run_dir, args.skip), end="")
-
-
 if __name__ == "__main__":
-    main()
+    report_main(__doc__, TRAIN_FLAGS, report)

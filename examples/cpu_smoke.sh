@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/cpu_smoke}
 FIRST=(--train-iters 50 --eval-interval 25 --run-dir "$RUN")
-RESUME=(--train-iters 60 --eval-interval 30
+RESUME=(--train-iters 60 --lr-decay-iters 50 --eval-interval 30  # the first run's schedule
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
         --run-dir "$RUN/resumed_tp2_pp2" --no-save)
 if [[ -n ${DRY_RUN:-} ]]; then

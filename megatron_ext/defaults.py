@@ -17,6 +17,7 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     """Faults, every method, then the ``extra`` ones, then the precision platform. Methods
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
     platform (``extra`` too: a method kept outside the package, a test's)."""
+    from megatron_ext.methods.gnmr.extension import gnmr_extension
     from megatron_ext.methods.snip.extension import snip_extension
     from megatron_ext.methods.stquant.extension import stquant_extension
     from megatron_ext.precision.controller import PlanController
@@ -24,6 +25,7 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, stquant_extension, *extra]
+    methods = [snip_extension, gnmr_extension, stquant_extension, *extra]  # GNMR after SNIP: it
+    # lifts SNIP's base
     return [FaultHandler().extension(), *(make(controller) for make in methods),
             precision_extension(PrecisionRun(controller))]

@@ -2,7 +2,8 @@
 
 An atomic write goes to a temporary file in the target's folder, is flushed to disk and then
 ``os.replace``d over the target: a reader sees the old file or the new one, never half of one,
-and a failed write leaves nothing behind.
+and a failed write leaves nothing behind. Outputs are checked before any work starts
+(:func:`check_output`), so a typo in an output path costs one line, not a finished run.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from typing import Any, Callable, IO
+
+from megatron_ext.errors import UsageError
 
 
 def read_json(path: str, expect: type | None = dict) -> Any:
@@ -59,3 +63,59 @@ def write_text_atomic(path: str, text: str) -> None:
 def write_json_atomic(path: str, data: Any, indent: int | None = 1) -> None:
     """Dump ``data`` as JSON (no NaN / inf) to ``path`` atomically."""
     write_text_atomic(path, json.dumps(data, indent=indent, allow_nan=False) + "\n")
+
+
+# ---------------------------------------------------------------- outputs checked before work
+
+def _nearest_existing(path: str) -> str:
+    """``path`` itself or its closest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_output(path: str, flag: str, kind: str = "dir") -> None:
+    """Before any work starts: ``path`` can be written. A folder (``kind="dir"``) may lack
+    folders on its way (the writer creates them); a file (``kind="file"``) needs its folder to
+    exist. Creates nothing (the writability probe is a temporary file, removed at once);
+    ``UsageError`` naming ``flag`` otherwise: a file where a folder must be, or the reverse, a
+    missing folder, no permission."""
+    target = os.path.abspath(path)
+    if kind == "file":
+        if os.path.isdir(target):
+            raise UsageError(f"{flag}: '{path}' is a folder, not a file")
+        target = os.path.dirname(target)
+    existing = _nearest_existing(target)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag}: cannot write '{path}': '{existing}' is a file, not a folder")
+    if kind == "file" and existing != target:
+        raise UsageError(f"{flag}: cannot write '{path}': folder '{target}' does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=existing)
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot write '{path}': cannot create files in "
+                         f"'{existing}' ({exc.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+@contextmanager
+def made_dirs(folder: str):
+    """``os.makedirs(folder)``; if the block raises, the folders this call created are removed
+    again (each only if still empty), so a failed run leaves no empty output folder."""
+    created = []
+    path = os.path.abspath(folder)
+    while not os.path.lexists(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for path in created:  # deepest first
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+        raise

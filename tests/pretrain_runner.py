@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,10 +25,10 @@ def free_port() -> int:
 
 
 def launch(args: list[str], nproc: int = 1, family: str = "llama", timeout: int = 300,
-           check: bool = True, script=None) -> subprocess.CompletedProcess:
-    """Run pretrain_<family>.py (or ``script``) with ``args``; under torchrun (gloo) when
-    nproc > 1."""
-    script = str(script or REPO / f"pretrain_{family}.py")
+           check: bool = True, script: str | None = None) -> subprocess.CompletedProcess:
+    """Run pretrain_<family>.py (or ``script``, a path under the repository) with ``args``;
+    under torchrun (gloo) when nproc > 1."""
+    script = str(REPO / (script or f"pretrain_{family}.py"))
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
@@ -74,3 +75,35 @@ def kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def wait_for(condition, proc: subprocess.Popen, seconds: float = 240) -> None:
+    """Poll ``condition()`` until it holds; fail if ``proc`` ends or time runs out first."""
+    deadline = time.time() + seconds
+    while not condition() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert condition(), "the run ended or stalled before the expected point"
+
+
+def logged_steps(run_dir) -> int:
+    """The last training step ``run_dir``'s metrics hold (0 before the first)."""
+    try:
+        return max(train_losses(run_dir), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def torchrun_worker(agent_pid: int, rank: int):
+    """The psutil.Process of torchrun ``agent_pid``'s worker with global rank ``rank``."""
+    import psutil
+
+    agent = psutil.Process(agent_pid)
+    for _ in range(600):
+        for child in agent.children():
+            try:
+                if child.environ().get("RANK") == str(rank):
+                    return child
+            except psutil.Error:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} worker under torchrun")

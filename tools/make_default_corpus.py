@@ -13,16 +13,16 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron_ext.data.corpus import (  # noqa: E402
     DEFAULT_VOCAB_SIZE,
     default_corpus_dir,
     materialize_corpus,
 )
+from megatron_ext.errors import UsageError, run_cli  # noqa: E402
+from megatron_ext.io import check_output  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,22 +41,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run(argv: list[str]) -> None:
     args = parse_args(argv)
     out = args.out or default_corpus_dir(None, args.max_docs, args.vocab_size)
+    check_output(out, "--out")
     start = time.monotonic()
     try:
         corpus = materialize_corpus(out, args.vocab_size, args.max_docs)
     except FileExistsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        raise UsageError(str(err)) from None
     print(
         f"corpus ready ({time.monotonic() - start:.1f}s): {corpus.num_docs} docs, "
         f"{corpus.num_tokens} tokens\n  data prefix: {corpus.data_prefix}\n"
         f"  tokenizer:   {corpus.tokenizer_json}",
         file=sys.stderr,
     )
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (or find) the corpus; bad input -> one ``error:`` line and exit status 2."""
+    return run_cli(_run, argv)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,18 @@ Example:
         --tokenizer-model tokenizer.json --json-keys text --append-eod --workers 2
     # -> data/docs_text_document.bin, data/docs_text_document.idx
 
-Errors (missing input, bad JSON line, missing key) print one ``error:`` line and exit 1;
-no partial output is left behind. The logic lives in ``megatron_ext.data.preprocess``.
+Errors (missing input, bad JSON line, missing key, an output that cannot be written) print
+one ``error:`` line and exit 2; no partial output is left behind. The logic lives in ``megatron_ext.data.preprocess``.
 """
 
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from megatron_ext.errors import UsageError, run_cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run(argv: list[str]) -> None:
     args = parse_args(argv)
     config = PreprocessConfig(
         input=args.input,
@@ -56,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         preprocess(config)
-    except (FileNotFoundError, ValueError) as err:  # PreprocessError is a ValueError
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    except FileNotFoundError as err:  # PreprocessError is a ValueError: run_cli reports it
+        raise UsageError(str(err)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_run, argv)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.methods.snip import cli_args  # noqa: E402
 from megatron_ext.errors import OneLineParser, UsageError, run_cli  # noqa: E402
+from megatron_ext.io import check_output  # noqa: E402
 
 DEFAULT_BUDGETS = (0.25, 0.5, 0.75, 0.8, 0.9)
 """--budgets when neither it nor --stage-budgets is given."""
@@ -78,11 +79,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if len(set(budgets)) != len(budgets):
         raise UsageError(f"--budgets lists a budget twice: {budgets}")
     args.budgets = sorted(budgets)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out} exists and is not a directory")
-    if args.explain_json and not os.path.isdir(os.path.dirname(os.path.abspath(
-            args.explain_json))):
-        raise UsageError(f"--explain-json {args.explain_json}: no such directory")
+    check_output(args.out, "--out")
+    if args.explain_json:
+        check_output(args.explain_json, "--explain-json", kind="file")
     args.print_explain = args.explain is not None
     if args.explain_json and args.explain is None:
         args.explain = "knee"

@@ -24,6 +24,12 @@ Patch points (each has its own test in ``tests/unit/compat/test_cpu.py``):
 4. **Type strings.** clip-grad asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` ->
    the same mode answers ``Tensor.type()`` (no argument) with the CUDA name of the CPU type.
 5. **Synchronisation.** ``torch.cuda.synchronize`` / ``empty_cache`` -> no-ops.
+6. **FSDP2 device mesh.** megatron-core's ``TorchFullyShardedDataParallel`` builds its mesh as
+   ``DeviceMesh.from_group(dp_group, "cuda")``; torch's ``fully_shard`` then places every
+   shard on that mesh's device type and asks the CUDA device handle for it. The name
+   ``DeviceMesh`` *inside that megatron module* is replaced by :class:`CpuDeviceMesh`, whose
+   ``from_group`` builds the same mesh over the same group with device type ``cpu`` (gloo
+   then all-gathers and reduce-scatters the shards). torch's own ``DeviceMesh`` is untouched.
 """
 
 from __future__ import annotations
@@ -79,8 +85,21 @@ def _noop(*args, **kwargs):
     return None
 
 
+class CpuDeviceMesh:
+    """Stands in for ``DeviceMesh`` in megatron's FSDP2 wrapper (patch point 6)."""
+
+    @staticmethod
+    def from_group(group, device_type: str, *args, **kwargs):
+        """torch's ``DeviceMesh.from_group`` with a CUDA device type mapped to ``cpu``."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        cpu_type = "cpu" if device_type.startswith("cuda") else device_type
+        return DeviceMesh.from_group(group, cpu_type, *args, **kwargs)
+
+
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, CPU replacement) for every patched function."""
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as mcore_fsdp2
     from megatron.core.tensor_parallel import random as mcore_random
 
     return [
@@ -93,6 +112,7 @@ def _patches() -> list[tuple[object, str, object]]:
         (torch.cuda, "empty_cache", _noop),
         (mcore_random, "_get_cuda_rng_state", _cpu_rng_state),
         (mcore_random, "_set_cuda_rng_state", _set_cpu_rng_state),
+        (mcore_fsdp2, "DeviceMesh", CpuDeviceMesh),
     ]
 
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import warnings
 
+from megatron_ext.training.arguments import HelpFormatter
 from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.errors import UsageError
 
@@ -31,8 +32,14 @@ def _layout_flags(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, help=help_text)
 
 
+def _unverified_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load-unverified", action="store_true",
+                        help="accept a checkpoint without checksums.json (its files are then "
+                             "not verified)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = HelpFormatter
     parser = argparse.ArgumentParser(
         prog="convert_checkpoint.py", formatter_class=defaults,
         description="Convert between Hugging Face (Llama, GPT-2) and megatron_ext checkpoints.")
@@ -42,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_mg.add_argument("--hf-dir", required=True, help="config.json + safetensors")
     to_mg.add_argument("--out", required=True, help="new megatron checkpoint directory")
     _layout_flags(to_mg, "layout you will train at (checked; the checkpoint loads at any)")
-    to_mg.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    to_mg.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="pad the vocabulary to a multiple of this, as pretrain does")
     to_hf = sub.add_parser("megatron-to-hf", help="megatron (any layout) -> Hugging Face",
                            formatter_class=defaults)
     to_hf.add_argument("--load", required=True, help="checkpoint dir (save root or iter_*)")
@@ -50,16 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model-config", help="megatron_model.json or a run's args.json "
                        "(default: the description hf-to-megatron stored in the checkpoint)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="safetensors shard size")
+    _unverified_flag(to_hf)
     check = sub.add_parser("verify", help="compare megatron and Hugging Face logits (FP32)",
                            formatter_class=defaults)
-    check.add_argument("--hf-dir", required=True)
-    check.add_argument("--load", required=True)
+    check.add_argument("--hf-dir", required=True, help="the Hugging Face model (config.json + "
+                       "safetensors)")
+    check.add_argument("--load", required=True,
+                       help="the megatron checkpoint (save root or iter_*)")
     check.add_argument("--model-config", help="as for megatron-to-hf")
     _layout_flags(check, "layout to run the megatron model at (torchrun when T x P > 1)")
+    _unverified_flag(check)
     check.add_argument("--atol", type=float, default=1e-4, help="fail above this difference")
-    check.add_argument("--batch-size", type=int, default=2)
-    check.add_argument("--seq-length", type=int, default=32)
-    check.add_argument("--seed", type=int, default=1234)
+    check.add_argument("--batch-size", type=int, default=2,
+                       help="random sequences to compare the logits on")
+    check.add_argument("--seq-length", type=int, default=32, help="tokens per sequence")
+    check.add_argument("--seed", type=int, default=1234, help="seed of the random tokens")
     check.add_argument("--result-file", help=argparse.SUPPRESS)  # torchrun child -> parent
     return parser
 
@@ -87,7 +100,8 @@ def _megatron_to_hf(args, argv) -> int:
     from megatron_ext.convert.to_hf import megatron_to_hf
 
     _single_process("megatron-to-hf")
-    megatron_to_hf(args.load, args.out, args.model_config, parse_size(args.max_shard_size))
+    megatron_to_hf(args.load, args.out, args.model_config, parse_size(args.max_shard_size),
+                   args.load_unverified)
     report_peak_memory()
     return 0
 
@@ -121,7 +135,7 @@ def _verify(args, argv) -> int:
 
     if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
         raise UsageError(f"--hf-dir: no config.json in '{args.hf_dir}'")
-    ckpt_dir = resolve_checkpoint_dir(args.load)
+    ckpt_dir = resolve_checkpoint_dir(args.load, args.load_unverified)
     spec = find_spec(ckpt_dir, args.model_config)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     launch = resolve_launch()

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megatron_ext.compat import cpu
 from megatron_ext.training import distributed
 from megatron_ext.training.checkpointing import TRACKER, model_sharded_state
+from megatron_ext.training.checkpoint_integrity import write_manifest
 from megatron_ext.errors import UsageError
 from megatron_ext.training.model import build_model_chunks, transformer_config
 
@@ -134,6 +135,7 @@ def save_weights(model, produce: Produce, save_dir: str, common: dict) -> str:
     state = {"model": model_sharded_state([model]), "weights_only": True,
              "layout": {"tp": 1, "pp": 1, "dp": 1}, **common}
     dist_checkpointing.save(state, path, sharded_strategy=StreamingSaveStrategy(produce))
+    write_manifest(path)  # checksums, as every training save writes them
     with open(os.path.join(save_dir, TRACKER), "w", encoding="utf-8") as f:
         f.write("0\n")
     return path

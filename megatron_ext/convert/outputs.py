@@ -8,12 +8,14 @@ import shutil
 from contextlib import contextmanager
 
 from megatron_ext.errors import UsageError
+from megatron_ext.io import check_output, made_dirs
 
 
 def check_new_output(out: str) -> None:
-    """``--out`` must not exist yet (an empty directory is fine)."""
+    """``--out`` must not exist yet (an empty directory is fine) and must be writable."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out: '{out}' already exists and is not empty")
+    check_output(out, "--out")
 
 
 @contextmanager
@@ -22,15 +24,15 @@ def atomic_output_dir(out: str):
     succeeds, and removed if it fails."""
     check_new_output(out)
     out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
+    with made_dirs(os.path.dirname(out)):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os.makedirs(tmp)
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     if os.path.isdir(out):
         os.rmdir(out)
     os.rename(tmp, out)

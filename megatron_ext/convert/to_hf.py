@@ -58,10 +58,11 @@ def _with_dtype(config: dict, dtype: str) -> dict:
 
 
 def megatron_to_hf(load: str, out: str, model_config: str | None = None,
-                   max_shard_bytes: int = 5 * 10**9) -> list[str]:
-    """Export checkpoint ``load`` as a Hugging Face model in ``out``; returns the weight files."""
+                   max_shard_bytes: int = 5 * 10**9, unverified: bool = False) -> list[str]:
+    """Export checkpoint ``load`` as a Hugging Face model in ``out``; returns the weight files.
+    A checkpoint without checksums only with ``unverified``."""
     check_new_output(out)
-    ckpt_dir = resolve_checkpoint_dir(load)
+    ckpt_dir = resolve_checkpoint_dir(load, unverified)
     spec = find_spec(ckpt_dir, model_config)
     args = spec.megatron_args()
     with megatron_runtime(args):

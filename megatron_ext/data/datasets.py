@@ -2,9 +2,10 @@
 
 What megatron-core does with the arguments of ``build_datasets``:
 
-* ``data_path`` uses Megatron-LM's ``--data-path`` syntax and goes through
-  ``get_blend_from_list``: ``["a"]`` is one dataset; ``["0.7", "a", "0.3", "b"]`` draws 70% of
-  the samples of every split from ``a`` and 30% from ``b`` (a ``BlendedDataset``);
+* ``data_path`` uses Megatron-LM's ``--data-path`` syntax (parsed, and each dataset's files
+  checked, by :mod:`megatron_ext.data.checks`): ``["a"]`` is one dataset;
+  ``["0.7", "a", "0.3", "b"]`` draws 70% of the samples of every split from ``a`` and 30%
+  from ``b`` (a ``BlendedDataset``);
   ``["a", "b"]`` (no weights) blends in proportion to the datasets' sizes.
 * ``split`` (``"969,30,1"``) cuts each dataset's *documents* into consecutive train/valid/test
   ranges in those proportions; a zero weight gives ``None`` for that split.
@@ -26,13 +27,10 @@ then every other rank loads from the cache after a barrier, so all ranks must ca
 dataset and reads its own micro-batches (see ``megatron_ext.data.sampler``).
 """
 
-import os
-
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
-from megatron.core.datasets.utils import get_blend_from_list
 
+from megatron_ext.data.checks import check_indexed_dataset, parse_data_path
 from megatron_ext.data.tokenizer import Tokenizer
 
 
@@ -51,14 +49,17 @@ def build_datasets(
     Raises:
         ValueError: neither ``data_path`` nor ``mock`` is given.
         FileNotFoundError: a dataset's ``.bin`` or ``.idx`` file is missing.
+        ValueError: ``data_path``'s weights and prefixes are not paired, or a dataset's
+            ``.idx`` and ``.bin`` do not match (truncated, corrupt: see ``data.checks``).
     """
     if mock:
         blend = None
     elif not data_path:
         raise ValueError("build_datasets needs a data_path (Megatron --data-path) or mock=True")
     else:
-        blend = get_blend_from_list(data_path)
-        _check_files_exist(blend[0])
+        blend = parse_data_path(data_path)
+        for prefix in blend[0]:
+            check_indexed_dataset(prefix)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -77,10 +78,3 @@ def build_datasets(
     train, valid, test = builder.build()
     return train, valid, test
 
-
-def _check_files_exist(prefixes: list[str]) -> None:
-    """Fail early with a one-line message instead of megatron's assertion."""
-    for prefix in prefixes:
-        for path in (get_idx_path(prefix), get_bin_path(prefix)):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"dataset file not found: {path} (data path {prefix!r})")

@@ -8,9 +8,9 @@ and offsets to ``.idx``. Both files are written by megatron-core's own
 token dtype is ``DType.optimal_dtype(vocab_size)``: uint16 below 65500 ids, int32 above.
 Documents that tokenize to nothing (empty text without ``append_eod``) are not written.
 
-Outputs are written under temporary names next to the final ones and renamed only after
-the whole input was read, so an error (bad line, Ctrl-C) never leaves a half-written
-dataset behind. Tokenization runs in ``workers`` forked processes, in input order.
+Outputs are checked for writability before anything is read, written under temporary names
+next to the final ones and renamed only after the whole input was read, so an error (bad
+line, Ctrl-C) never leaves a half-written dataset, or a new empty folder, behind. Tokenization runs in ``workers`` forked processes, in input order.
 """
 
 import json
@@ -31,6 +31,7 @@ from megatron.core.datasets.indexed_dataset import (
 )
 
 from megatron_ext.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_ext.io import check_output, made_dirs
 
 _CHUNK_BYTES = 1 << 20
 """Input is handed to workers in chunks of about this many bytes ..."""
@@ -88,17 +89,21 @@ def preprocess(config: PreprocessConfig, log: TextIO | None = sys.stderr) -> Pre
 
     Raises:
         FileNotFoundError: the input file or the tokenizer file is missing.
+        UsageError: an output cannot be written (a file where a folder must be, ...).
         PreprocessError: a line is not a JSON object, lacks a key, or its value is no string.
     """
     if not os.path.isfile(config.input):
         raise FileNotFoundError(f"input file not found: {config.input}")
     if config.workers < 1:
         raise ValueError(f"workers must be >= 1, got {config.workers}")
+    prefixes = {key: dataset_prefix(config.output_prefix, key) for key in config.json_keys}
+    folder = os.path.dirname(os.path.abspath(config.output_prefix))
+    check_output(folder, "--output-prefix")
     tokenizer = build_tokenizer(config.tokenizer_model)
     encoder = _Encoder(tokenizer, config.json_keys, config.append_eod, config.input)
-    prefixes = {key: dataset_prefix(config.output_prefix, key) for key in config.json_keys}
     progress = _Progress(os.path.getsize(config.input), config.log_interval, log)
-    with _AtomicWriter(prefixes, DType.optimal_dtype(tokenizer.vocab_size)) as writer:
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    with made_dirs(folder), _AtomicWriter(prefixes, dtype) as writer:
         for docs, nbytes in _encode_file(encoder, config.input, config.workers):
             writer.add(docs)
             progress.update(len(docs), nbytes)
@@ -200,7 +205,6 @@ class _AtomicWriter:
 
     def __enter__(self) -> "_AtomicWriter":
         for prefix in self.temp:
-            os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
             self.builders.append(IndexedDatasetBuilder(get_bin_path(prefix), dtype=self.dtype))
         return self
 

@@ -1,4 +1,4 @@
-"""Low-precision number formats and fake quantization.
+"""Low-precision number formats, fake quantization and real quantized tensors.
 
 A *format* says how a GEMM operand (``x``, ``w`` or ``dy``) is stored in low precision;
 ``fake_quant(t, fmt)`` returns ``dequantize(quantize(t))`` in ``t``'s own dtype, so a model
@@ -51,6 +51,12 @@ Names (:mod:`.registry`): ``<element>@<scaling>[+sr]``, e.g. ``fp8_e4m3@tile128`
 ``mxfp8``, ``mxfp6_e3m2``, ``mxfp6_e2m3``, ``mxfp4``, ``nvfp4``. ``available()`` lists the
 registered names and ``get_format(name)`` builds any valid combination.
 
+Real storage (:mod:`.quantized`): ``quantize(t, fmt)`` runs the same passes as
+``fake_quant`` but keeps the rounded grid values as packed element codes (:mod:`.codes`:
+two FP4/INT4 codes per byte, one byte for 6- and 8-bit elements) and each block's scale in
+its real type (float32, E8M0, E4M3 + a float32 tensor scale) in a :class:`QuantizedTensor`;
+``dequantize`` gives back exactly ``fake_quant(t, fmt)``, bit for bit.
+
 Backends: a pure-torch reference for every format and device (CPU: in cache-sized
 chunks, float32 work, no float64 temporaries); on CUDA, Triton kernels
 (:mod:`.triton_kernels`) for the tile/block/MX/NVFP4 formats, bit-identical for
@@ -59,7 +65,8 @@ See ``docs/formats.md`` for the table of formats and the measured throughput.
 """
 
 from .elements import ELEMENTS, CastElement, ElementType, FloatElement, IntElement, get_element
-from .quantize import fake_quant, fake_quant_2d
+from .pipeline import fake_quant, fake_quant_2d
+from .quantized import QuantizedTensor, dequantize, quantize
 from .registry import Format, available, get_format, parse_format, register
 from .rounding import Rounding
 from .scaling import AmaxScaling, Factors, MXScaling, NoScaling, NVScaling, Scaling
@@ -76,13 +83,16 @@ __all__ = [
     "MXScaling",
     "NVScaling",
     "NoScaling",
+    "QuantizedTensor",
     "Rounding",
     "Scaling",
     "available",
+    "dequantize",
     "fake_quant",
     "fake_quant_2d",
     "get_element",
     "get_format",
     "parse_format",
+    "quantize",
     "register",
 ]

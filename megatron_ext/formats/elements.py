@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rounding import binade_, round_to_grid_
+from .rounding import binade_, float_bits, round_to_grid_
 
 __all__ = [
     "ELEMENTS",
@@ -82,6 +82,17 @@ class ElementType:
         """Bits of the integer part of ``|v / u|`` (``u`` = grid step at ``v``)."""
         raise NotImplementedError
 
+    def magnitude_codes(self, a: torch.Tensor) -> torch.Tensor:
+        """The stored code of each magnitude in ``a`` (a float32 / float64 tensor of
+        non-negative grid values, at most ``max``), as an integer tensor below the sign bit
+        (see :mod:`.codes`)."""
+        raise NotImplementedError
+
+    def magnitude_values(self) -> list[float]:
+        """The magnitude each code ``0 .. 2**(bits-1) - 1`` stands for; NaN for the codes
+        quantization never produces (E4M3's 480 is OCP's NaN)."""
+        raise NotImplementedError
+
     @property
     def emax(self) -> int:
         """``floor(log2(max))``: the exponent of the largest binade (used by MX)."""
@@ -122,6 +133,31 @@ class FloatElement(ElementType):
         binade = binade_(w, scratch, self.emin)
         return round_to_grid_(w, binade, self.mbits, noise)
 
+    def magnitude_codes(self, a):
+        """Exponent field then mantissa field, the OCP bit pattern. A normal value's code is
+        its work-dtype bit pattern shifted right and rebiased; a subnormal's (below
+        ``2**emin``) is its count of steps ``2**(emin - mbits)``, less than ``2**mbits``.
+
+        Both are computed for every value and the larger kept (no slow ``where``): for a
+        normal value the shifted bits give at least ``2**mbits`` and the step count is
+        capped below that; for a subnormal one the shifted bits of its float32 exponent
+        below ``emin`` come out smaller than its step count (negative for all but the top
+        binade, ``2k - 2**mbits < k`` there)."""
+        fb = float_bits(a.dtype)
+        codes = torch.bitwise_right_shift(a.view(fb.int_dtype), fb.mantissa_bits - self.mbits)
+        codes.sub_((fb.bias + self.emin - 1) << self.mbits)
+        steps = (a * 2.0 ** (self.mbits - self.emin)).clamp_(max=2**self.mbits - 1)
+        return torch.maximum(codes, steps.to(fb.int_dtype), out=codes)
+
+    def magnitude_values(self):
+        step = 2.0 ** (self.emin - self.mbits)
+        values = []
+        for code in range(2 ** (self.bits - 1)):
+            exp, man = code >> self.mbits, code % 2**self.mbits
+            value = man * step if exp == 0 else (2**self.mbits + man) * step * 2.0 ** (exp - 1)
+            values.append(value if value <= self.max else math.nan)
+        return values
+
 
 @dataclass(frozen=True)
 class IntElement(ElementType):
@@ -135,6 +171,14 @@ class IntElement(ElementType):
         if saturate or noise is not None:
             w.clamp_(-self.max, self.max)
         return round_to_grid_(w, 1.0, 0, noise)
+
+    def magnitude_codes(self, a):
+        """The magnitude as an unsigned integer: codes are sign-magnitude, which holds the
+        symmetric range exactly and keeps a zero's sign."""
+        return a.to(float_bits(a.dtype).int_dtype)
+
+    def magnitude_values(self):
+        return [float(k) if k <= self.max else math.nan for k in range(2 ** (self.bits - 1))]
 
 
 @dataclass(frozen=True)
@@ -150,6 +194,12 @@ class CastElement(ElementType):
     @property
     def noise_int_bits(self) -> int:
         raise ValueError(f"{self.name} has no stochastic rounding")
+
+    def magnitude_codes(self, a):
+        raise ValueError(f"{self.name} is a plain cast; it is stored as a {self.dtype} tensor")
+
+    def magnitude_values(self):
+        raise ValueError(f"{self.name} is a plain cast; it is stored as a {self.dtype} tensor")
 
     def round_(self, w, scratch=None, noise=None, saturate=True):
         if noise is not None:

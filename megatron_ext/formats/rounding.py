@@ -30,6 +30,8 @@ __all__ = [
     "Rounding",
     "binade_",
     "clear_low_bits_",
+    "e8m0_decode",
+    "e8m0_encode",
     "e8m0_pow2",
     "float_bits",
     "round_to_grid_",
@@ -161,3 +163,21 @@ def e8m0_pow2(amax: torch.Tensor, emax: int) -> torch.Tensor:
     k = torch.bitwise_right_shift(amax.view(fb.int_dtype), fb.mantissa_bits)  # biased exponent
     k.add_(1 - emax).clamp_(fb.bias - 126, fb.bias + 128)  # biased (s + 1)
     return k.bitwise_left_shift_(fb.mantissa_bits).view(amax.dtype).mul_(0.5)
+
+
+def e8m0_encode(pow2: torch.Tensor) -> torch.Tensor:
+    """The E8M0 byte (biased exponent ``s + 127``, uint8) of each power of two ``2**s``
+    (``s`` in ``[-127, 127]``) in a float32 / float64 tensor, as :func:`e8m0_pow2` makes
+    them. Read off the exponent field: float32's subnormal ``2**-127`` has field 0."""
+    fb = _FLOAT_BITS[pow2.dtype]
+    field = torch.bitwise_right_shift(pow2.view(fb.int_dtype), fb.mantissa_bits)
+    return field.sub_(fb.bias - 127).to(torch.uint8)
+
+
+def e8m0_decode(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2**(code - 127)`` in ``dtype`` (float32 / float64) for E8M0 bytes 0..254, exactly
+    (:func:`e8m0_encode` reversed; byte 0 is float32's subnormal ``2**-127``)."""
+    fb = _FLOAT_BITS[dtype]
+    biased = code.to(fb.int_dtype).add_(fb.bias - 127)
+    value = biased.clamp(min=1).bitwise_left_shift_(fb.mantissa_bits).view(dtype)
+    return torch.where(biased == 0, 2.0**-127, value)

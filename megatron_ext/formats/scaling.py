@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from .elements import ElementType, FloatElement, get_element
-from .rounding import clear_low_bits_, e8m0_pow2
+from .rounding import clear_low_bits_, e8m0_decode, e8m0_encode, e8m0_pow2
 
 __all__ = ["AmaxScaling", "Factors", "MXScaling", "NVScaling", "NoScaling", "Scaling"]
 
@@ -40,6 +40,11 @@ class Factors(NamedTuple):
     """Multiply the input by this before rounding."""
     dequant: torch.Tensor
     """Multiply the rounded values by this to get the output."""
+    block_scale: torch.Tensor
+    """The per-block scale that is stored (work dtype, exact in its storage type):
+    ``d``, ``2**s`` or NVFP4's E4M3 ``b``; :meth:`Scaling.dequant` makes ``dequant`` of it."""
+    tensor_scale: torch.Tensor | None = None
+    """NVFP4's float32 tensor scale ``t`` (``dequant = t * b``); ``None`` for the others."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class Scaling:
 
     #: Storage bits of one scale (for :attr:`Format.effective_bits`).
     scale_bits = 0
+    #: Storage dtype of the block scales (``None``: the work dtype, float32 / float64).
+    scale_dtype = None
     #: Whether :meth:`factors` also needs the amax of the whole tensor.
     needs_tensor_amax = False
     #: Whether scaled values can exceed the element max by half a grid step or more
@@ -72,6 +79,18 @@ class Scaling:
     ) -> Factors | None:
         """Factors from the finite, non-negative block amaxes (work dtype)."""
         raise NotImplementedError
+
+    def dequant(self, block_scale: torch.Tensor, tensor_scale: torch.Tensor | None = None):
+        """The dequantization factor of stored scales (one rule for quantize and dequantize)."""
+        return block_scale
+
+    def encode_scales(self, block_scale: torch.Tensor) -> torch.Tensor:
+        """Block scales in their storage type (float32 / float64 for amax scaling)."""
+        return block_scale
+
+    def decode_scales(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored block scales back as ``dtype`` (float32 / float64) values, exactly."""
+        return stored.to(dtype)
 
     def check(self, element: ElementType) -> None:
         """Raise ``ValueError`` if this scaling cannot be used with ``element``."""
@@ -114,7 +133,7 @@ class AmaxScaling(Scaling):
     def factors(self, amax, element, tensor_amax=None):
         d = clear_low_bits_(amax / element.max, element.max_significand_bits)
         d.clamp_(min=torch.finfo(d.dtype).tiny)
-        return Factors(quant=d.reciprocal(), dequant=d)
+        return Factors(quant=d.reciprocal(), dequant=self.dequant(d), block_scale=d)
 
 
 @dataclass(frozen=True)
@@ -128,6 +147,7 @@ class MXScaling(Scaling):
     rows: int | None = 1
     cols: int | None = 32
     scale_bits = 8
+    scale_dtype = torch.uint8
 
     @property
     def name(self) -> str:
@@ -138,7 +158,14 @@ class MXScaling(Scaling):
 
     def factors(self, amax, element, tensor_amax=None):
         scale = e8m0_pow2(amax, element.emax)
-        return Factors(quant=scale.reciprocal(), dequant=scale)
+        return Factors(quant=scale.reciprocal(), dequant=self.dequant(scale), block_scale=scale)
+
+    def encode_scales(self, block_scale):
+        """One E8M0 byte per block: the biased exponent ``s + 127``."""
+        return e8m0_encode(block_scale)
+
+    def decode_scales(self, stored, dtype):
+        return e8m0_decode(stored, dtype)
 
 
 @dataclass(frozen=True)
@@ -154,6 +181,7 @@ class NVScaling(Scaling):
     rows: int | None = 1
     cols: int | None = 16
     scale_bits = 8
+    scale_dtype = torch.uint8
     needs_tensor_amax = True
 
     @property
@@ -171,7 +199,20 @@ class NVScaling(Scaling):
         )
         b = (amax / element.max / t).clamp_(min=b_min, max=e4m3.max)
         e4m3.round_(b)
-        return Factors(quant=t.reciprocal() / b, dequant=t * b)
+        return Factors(
+            quant=t.reciprocal() / b, dequant=self.dequant(b, t), block_scale=b, tensor_scale=t
+        )
+
+    def dequant(self, block_scale, tensor_scale=None):
+        return tensor_scale * block_scale
+
+    def encode_scales(self, block_scale):
+        """One E4M3 byte per block (the OCP bit pattern; ``b`` is positive)."""
+        return get_element("fp8_e4m3").magnitude_codes(block_scale).to(torch.uint8)
+
+    def decode_scales(self, stored, dtype):
+        values = get_element("fp8_e4m3").magnitude_values()
+        return torch.tensor(values, dtype=dtype, device=stored.device)[stored.long()]
 
 
 def _require_float(scaling: Scaling, element: ElementType) -> None:

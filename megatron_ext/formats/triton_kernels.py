@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .elements import FloatElement, IntElement
-from .quantize import _finite_amax
+from .amax import finite_amax
 from .registry import Format
 from .scaling import AmaxScaling, MXScaling, NVScaling
 
@@ -170,7 +170,7 @@ def fake_quant_2d(
     e, s = fmt.element, fmt.scaling
     tensor_amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     if s.needs_tensor_amax:
-        tensor_amax = _finite_amax(x, dims=(0, 1), keepdim=False)[0].reshape(1).float()
+        tensor_amax = finite_amax(x, dims=(0, 1), keepdim=False)[0].reshape(1).float()
     seed, noise_bits = 0, 1
     if fmt.stochastic:
         gen_device = generator.device if generator is not None else torch.device("cpu")

@@ -23,76 +23,111 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (each overrides the --model preset)")
     g.add_argument("--model", default="tiny", help=f"size preset: {', '.join(preset_names())}")
-    for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
-                 "num-query-groups", "seq-length", "max-position-embeddings", "vocab-size"):
-        g.add_argument(f"--{name}", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None)
-    g.add_argument("--rotary-base", type=float, default=None, help="RoPE theta")
+    for name, what in (("num-layers", "transformer layers"), ("hidden-size", "model width"),
+                       ("ffn-hidden-size", "MLP width"),
+                       ("num-attention-heads", "attention heads"),
+                       ("num-query-groups", "key/value heads (GQA; = heads: plain attention)"),
+                       ("seq-length", "tokens per sample"),
+                       ("max-position-embeddings", "longest sequence the positions cover"),
+                       ("vocab-size", "vocabulary size (the tokenizer's if the preset has "
+                                      "none)")):
+        g.add_argument(f"--{name}", type=int, default=None, help=f"{what}; from --model")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None,
+                   help="rotary or learned absolute positions; from --model")
+    g.add_argument("--rotary-base", type=float, default=None, help="RoPE theta; from --model")
     g.add_argument("--use-rope-scaling", action=argparse.BooleanOptionalAction, default=None,
                    help="Llama 3.x RoPE frequency scaling (megatron-core's: low / high frequency "
                         "factors 1 / 4, original context 8192); default off")
     g.add_argument("--rope-scaling-factor", type=float, default=None,
                    help="Llama 3.x RoPE scaling factor (with --use-rope-scaling); default 8.0")
-    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None)
-    g.add_argument("--norm-epsilon", type=float, default=None)
-    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None,
+                   help="layer norm kind; from --model")
+    g.add_argument("--norm-epsilon", type=float, default=None,
+                   help="epsilon of the layer norms; from --model")
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None,
+                   help="SwiGLU MLP (Llama) instead of a GeLU MLP (GPT); from --model")
     g.add_argument("--openai-gelu", action=argparse.BooleanOptionalAction, default=None,
                    help="GeLU's tanh approximation (OpenAI GPT-2's gelu_new) instead of the "
                         "exact GeLU; default off")
-    g.add_argument("--add-bias-linear", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--add-bias-linear", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases in the linear layers (GPT) or none (Llama); from --model")
     g.add_argument("--untie-embeddings-and-output-weights",
-                   action=argparse.BooleanOptionalAction, default=None)
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="separate input embedding and output layer (Llama) or one shared "
+                        "matrix (GPT); from --model")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this (independent of TP, so the "
                         "layout never changes the model); TP must divide the padded size")
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"],
                    default="auto", help="layer implementation; auto = Transformer Engine when "
                    "it is installed and a GPU is present, else megatron-core's local layers")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="dropout after attention and MLP, in [0, 1)")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="dropout of the attention probabilities, in [0, 1)")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="standard deviation of the normal weight initialisation")
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP: ranks that split every layer's matrices")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP: pipeline stages, each holding consecutive layers")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="enables the interleaved (virtual pipeline) 1F1B schedule")
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="optional check: must equal world_size / (TP*PP)")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP: split norms and dropout along the sequence too")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over the data-parallel ranks (ZeRO-1)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="megatron-core TorchFullyShardedDataParallel (GPU only, see docs)")
+                   help="shard weights, gradients and optimizer state over data parallel with "
+                        "megatron-core's TorchFullyShardedDataParallel (torch FSDP2; GPU or "
+                        "CPU, with TP and PP; needs untied embeddings; docs/parallelism.md)")
     g.add_argument("--use-megatron-fsdp", action="store_true",
-                   help="megatron-core Megatron-FSDP (GPU only, see docs)")
-    g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
+                   help="megatron-core Megatron-FSDP (GPU only; docs/parallelism.md)")
+    g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="torch.distributed backend; auto = NCCL with CUDA, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MIN",
+                   help="a collective that waits longer than this for a peer ends the run "
+                        "with one line naming the peer")
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=400)
-    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=400,
+                   help="train until this many optimizer steps in total (a resumed run "
+                        "continues its count)")
+    g.add_argument("--micro-batch-size", type=int, default=8,
+                   help="samples per forward/backward pass on one rank")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro-batch-size x data-parallel size (no accumulation)")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
+                   help="samples per optimizer step (default: micro-batch-size x "
+                        "data-parallel size: no accumulation)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=3e-4,
+                   help="learning rate at the end of the decay")
     g.add_argument("--lr-warmup-iters", type=int, default=None,
-                   help="default: 5%% of --lr-decay-iters")
+                   help="linear warm-up steps (default: 5%% of --lr-decay-iters)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "WSD"],
-                   default="cosine")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+                   default="cosine", help="shape of the decay from --lr to --min-lr")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="steps over which the rate decays (default: --train-iters)")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
                    help="WSD: length of the final decay (default: 20%% of --lr-decay-iters)")
     g.add_argument("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential",
-                                                    "minus_sqrt"], default="linear")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
+                                                    "minus_sqrt"], default="linear",
+                   help="WSD: shape of the final decay")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of the initialisation, data order and dropout")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="BF16 params/compute (default: on with CUDA, off (FP32) on CPU)")
 
@@ -111,27 +146,54 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
 
 def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation, logging and checkpoints")
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--eval-interval", type=int, default=100,
+                   help="validate every N steps (and after the last)")
+    g.add_argument("--eval-iters", type=int, default=10,
+                   help="global batches per validation (0: no validation)")
+    g.add_argument("--log-interval", type=int, default=10,
+                   help="print and record a training step every N steps")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="also write the metrics as TensorBoard events here")
     g.add_argument("--run-dir", default=None, help="default: runs/<timestamp>")
     g.add_argument("--save", default=None, help="checkpoint dir (default: <run-dir>/checkpoints)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint at all")
     g.add_argument("--load", default=None, help="resume from this checkpoint dir")
+    g.add_argument("--load-unverified", action="store_true",
+                   help="with --load: accept a checkpoint without checksums.json (written "
+                        "before checksums existed); its files are then not verified")
+    resume = g.add_mutually_exclusive_group()
+    resume.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                        help="with --load: keep the checkpoint's learning-rate schedule even "
+                             "if the flags describe another (a mismatch is an error otherwise)")
+    resume.add_argument("--override-opt_param-scheduler", action="store_true",
+                        help="with --load: use the flags' learning-rate schedule, from the "
+                             "checkpoint's step on, instead of the checkpoint's")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: take the model weights only (fresh optimizer, step 0)")
+    g.add_argument("--save-retain", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints under --save (default: keep all)")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (a final checkpoint is always written)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving a checkpoint) once the iteration is a multiple of N")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says its default or
+    there is nothing to say (``None``, ``False``: an unset option or an off switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser(family: str, extra_args_provider: ArgsProvider | None = None):
     parser = argparse.ArgumentParser(
         prog=f"pretrain_{family}.py",
         description=f"Pretrain a {family} model with megatron-core (CPU/gloo or GPU/NCCL).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     for add in (_model_flags, _parallel_flags, _training_flags, _data_flags,
                 _logging_and_checkpoint_flags):
@@ -181,6 +243,29 @@ def _validate_rope_and_activation(args: argparse.Namespace) -> None:
     _check(args.rope_scaling_factor > 0, "--rope-scaling-factor must be positive")
     _check(not (args.openai_gelu and args.swiglu),
            "--openai-gelu selects the GeLU of a GeLU MLP; --swiglu uses SiLU (pass --no-swiglu)")
+
+
+def _validate_fsdp(args: argparse.Namespace) -> None:
+    """The FSDP flags' rules (docs/parallelism.md; Megatron-LM enforces the same two for FSDP2)."""
+    _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
+           "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
+    if not args.use_torch_fsdp2:
+        return
+    _check(not args.use_distributed_optimizer,
+           "--use-torch-fsdp2 shards the optimizer state itself: drop --use-distributed-optimizer")
+    _check(bool(args.untie_embeddings_and_output_weights),
+           "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights: a tied output layer "
+           "would read the embedding's sharded weight outside its FSDP unit")
+
+
+def _validate_run_flags(args: argparse.Namespace) -> None:
+    """The process group's timeout, checkpoint retention, and the --load path (a file, a
+    missing folder, a dangling pointer: one line now, not at load time)."""
+    _check(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    _check(args.save_retain is None or args.save_retain >= 1, "--save-retain must be >= 1")
+    if args.load is not None:
+        from megatron_ext.training.checkpointing import locate_checkpoint
+        locate_checkpoint(args.load)
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -243,10 +328,8 @@ def validate_args(args: argparse.Namespace) -> None:
                "the interleaved schedule needs the number of micro-batches to be a multiple "
                "of PP")
     _check(not (args.data_path and args.mock_data), "--data-path and --mock-data exclude each other")
-    _check(args.load is None or os.path.isdir(args.load),
-           f"--load: checkpoint directory '{args.load}' does not exist")
-    _check(not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
-           "--use-torch-fsdp2 and --use-megatron-fsdp exclude each other")
+    _validate_run_flags(args)
+    _validate_fsdp(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters is None:

@@ -5,7 +5,8 @@ Why:
 * **Corruption** (a truncated copy, a bad disk, a flipped bit) should fail loudly at ``--load``
   and name the file, not surface as a shape error deep inside torch or, worse, load silently.
   Every save writes ``checksums.json`` (sha256 of every file of the checkpoint directory) into
-  the temporary directory before it is renamed into place; every load verifies it first.
+  the temporary directory before it is renamed into place; every load verifies it first, and
+  a checkpoint without one loads only with ``--load-unverified``.
   The hashing is split over the ranks (rank r hashes files r, r + world, ...), so a large
   checkpoint costs each rank only its share.
 * **Untrusted files.** Unpickling runs whatever code a pickle names. megatron-core's
@@ -222,10 +223,16 @@ def check_no_code(ckpt_dir: str) -> None:
             _check_byte_items(ckpt_dir, load_metadata_safely(path))
 
 
-def verify_checkpoint(ckpt_dir: str) -> None:
+def verify_checkpoint(ckpt_dir: str, unverified: bool = False) -> None:
     """Before anything of ``ckpt_dir`` is unpickled: checksums, then no code. A checkpoint
-    without a manifest (older than this check) is only checked for code."""
-    if not verify_manifest(ckpt_dir) and _world()[0] == 0:
-        print(f"note: '{ckpt_dir}' has no {MANIFEST} (written before checksums existed): its "
-              "files are not verified", flush=True)
+    without a manifest (older than this check, or copied without it) is refused unless
+    ``unverified`` (``--load-unverified``); then it is only checked for code."""
+    if not verify_manifest(ckpt_dir):
+        if not unverified:
+            raise UsageError(f"--load: '{ckpt_dir}' has no {MANIFEST}, so a corrupt file would "
+                             "load silently; pass --load-unverified to load it anyway (its "
+                             "next save writes one)")
+        if _world()[0] == 0:
+            print(f"note: loading '{ckpt_dir}' unverified (--load-unverified): it has no "
+                  f"{MANIFEST}", flush=True)
     check_no_code(ckpt_dir)

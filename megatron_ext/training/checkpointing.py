@@ -7,18 +7,21 @@ Layout of ``--save DIR``::
 
 A save goes to ``DIR/.tmp_iter_N`` and is renamed into place only when every rank has
 finished (and ``checksums.json`` is written); the ``latest`` pointer is replaced atomically
-last, so a crash mid-save leaves the previous checkpoint and pointer untouched. Before a save
+last, so a crash mid-save leaves the previous checkpoint and pointer untouched. With
+``--save-retain N`` older checkpoints are removed after that, keeping the newest N. Before a save
 every rank's step counter, data position and extension states must agree (faults); before a
 load the checksums are verified and no file may hold pickled code (checkpoint_integrity).
 
 What is saved: model and optimizer (sharded tensors: load at another TP / PP layout works),
-LR scheduler, iteration, consumed samples (the data position), the RNG states (restored only
+LR scheduler (a resume that would change it must say which schedule wins:
+schedule_resume), iteration, consumed samples (the data position), the RNG states (restored only
 at the same layout), and whatever later features :meth:`Checkpointer.register`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Protocol
 
@@ -32,8 +35,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
 from megatron_ext.errors import UsageError
 from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
+from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_optimizer_state,
+                                                   local_shards_as_dtensors,
+                                                   matching_local_shards)
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
+from megatron_ext.training.schedule_resume import restore, saved_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -67,10 +74,13 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def resolve_checkpoint_dir(path: str) -> str:
-    """``--load`` accepts a save root (uses its latest pointer) or one iteration directory.
-    The directory is verified before anything reads it: checksums, and no pickled code
-    (checkpoint_integrity). Collective when torch.distributed is initialized."""
+def locate_checkpoint(path: str) -> str:
+    """The iteration directory ``--load PATH`` names: PATH itself, or the one its latest
+    pointer names. ``UsageError`` saying precisely what is wrong (not a folder, missing,
+    corrupt or dangling pointer, no checkpoint). Reads no checkpoint file; not collective."""
+    if os.path.isfile(path):
+        raise UsageError(f"--load: '{path}' is a file; give a checkpoint folder (a save root "
+                         f"with {TRACKER}, or one iter_* folder)")
     if not os.path.isdir(path):
         raise UsageError(f"--load: checkpoint directory '{path}' does not exist")
     tracker = os.path.join(path, TRACKER)
@@ -79,18 +89,33 @@ def resolve_checkpoint_dir(path: str) -> str:
             text = f.read().strip()
         if not text.isdigit():
             raise UsageError(f"--load: corrupt {tracker} (expected an iteration number)")
-        path = os.path.join(path, f"iter_{int(text):07d}")
+        target = os.path.join(path, f"iter_{int(text):07d}")
+        if not os.path.isdir(target):
+            raise UsageError(f"--load: {tracker} is dangling: it names iteration {int(text)}, "
+                             f"but '{target}' does not exist")
+        path = target
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise UsageError(f"--load: '{path}' is not a checkpoint (no {TRACKER} or metadata.json)")
-    verify_checkpoint(path)
+    return path
+
+
+def resolve_checkpoint_dir(path: str, unverified: bool = False) -> str:
+    """``--load`` accepts a save root (uses its latest pointer) or one iteration directory.
+    The directory is verified before anything reads it: checksums (a checkpoint without them
+    only with ``unverified``), and no pickled code (checkpoint_integrity). Collective when
+    torch.distributed is initialized."""
+    path = locate_checkpoint(path)
+    verify_checkpoint(path, unverified)
     return path
 
 
 class Checkpointer:
     """Saves and restores the full training state of one rank's model chunks."""
 
-    def __init__(self, save_dir: str | None, model: list, optimizer, scheduler):
+    def __init__(self, save_dir: str | None, model: list, optimizer, scheduler,
+                 retain: int | None = None):
         self.save_dir = save_dir
+        self.retain = retain  # --save-retain: keep the newest N checkpoints (None: all)
         self.model = model
         self.modules = unwrap_model(model)  # the GPTModels inside the DDP wrappers
         self.optimizer = optimizer
@@ -106,8 +131,9 @@ class Checkpointer:
 
     def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
         model_sd = self._model_state()
-        state = {"model": model_sd,
-                 "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        with matching_local_shards():  # FSDP2 (fsdp_checkpoint.py); a no-op for DDP
+            optimizer_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state = {"model": model_sd, "optimizer": optimizer_sd}
         if with_rng:
             state["rng_state"] = _rng_state()
         return state
@@ -118,14 +144,15 @@ class Checkpointer:
         state = self._sharded_state(is_loading=False, with_rng=True)
         state.update(iteration=train_state.iteration,
                      consumed_samples=train_state.consumed_samples,
-                     scheduler=self.scheduler.state_dict(), layout=_layout(),
+                     scheduler=saved_state(self.scheduler), layout=_layout(),
                      extra={name: p.state_dict() for name, p in self.extra.items()})
-        return atomic_save(state, self.save_dir, train_state.iteration)
+        return atomic_save(state, self.save_dir, train_state.iteration, self.retain)
 
-    def load(self, path: str, finetune: bool = False) -> TrainState:
+    def load(self, path: str, finetune: bool = False, unverified: bool = False) -> TrainState:
         """Restore from ``path``. The RNG only if the rank layout is unchanged; only the model
-        weights (and a fresh TrainState) with ``finetune`` or from a weights-only checkpoint."""
-        path = resolve_checkpoint_dir(path)
+        weights (and a fresh TrainState) with ``finetune`` or from a weights-only checkpoint;
+        a checkpoint without checksums only with ``unverified``."""
+        path = resolve_checkpoint_dir(path, unverified)
         try:
             common = dist_checkpointing.load_common_state_dict(path)
             weights_only = finetune or common.get("weights_only", False)
@@ -140,11 +167,13 @@ class Checkpointer:
             raise UsageError(f"--load: cannot read checkpoint '{path}': {_first_line(exc)}") \
                 from exc
         for i, module in enumerate(self.modules):
-            module.load_state_dict(loaded["model"][f"chunk{i}"])
+            module.load_state_dict(local_shards_as_dtensors(module, loaded["model"][f"chunk{i}"]))
         if weights_only:
             return TrainState()
-        self.optimizer.load_state_dict(loaded["optimizer"])
-        self.scheduler.load_state_dict(common["scheduler"])
+        load_optimizer_state(self.optimizer, loaded["optimizer"])
+        schedule = restore(self.scheduler, common["scheduler"])  # UsageError on a mismatch
+        if dist.get_rank() == 0:
+            print(schedule, flush=True)
         if same_layout:
             _restore_rng(loaded["rng_state"])
         for name, provider in self.extra.items():
@@ -178,8 +207,9 @@ def _check_model_shapes(model_sd: dict, path: str) -> None:
 
 def model_sharded_state(modules) -> dict:
     """The model part of a checkpoint: each chunk's megatron sharded state dict (global keys,
-    so any TP / PP / virtual-PP layout can read it)."""
-    return {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+    so any TP / PP / virtual-PP / FSDP2 layout can read it; FSDP2: fsdp_checkpoint.py)."""
+    return {f"chunk{i}": fsdp2_sharded_state(m, m.sharded_state_dict())
+            for i, m in enumerate(modules)}
 
 
 def save_weights_only(modules, save_dir: str, iteration: int = 0, **metadata) -> str:
@@ -190,9 +220,10 @@ def save_weights_only(modules, save_dir: str, iteration: int = 0, **metadata) ->
     return atomic_save(state, save_dir, iteration)
 
 
-def atomic_save(state: dict, save_dir: str, iteration: int) -> str:
+def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None = None) -> str:
     """dist_checkpointing.save into ``.tmp_iter_N``, rename to ``iter_N`` once every rank is
-    done, then replace the ``latest`` pointer atomically. Collective: all ranks call it."""
+    done, then replace the ``latest`` pointer atomically, then (with ``retain``) remove all
+    but the newest ``retain`` checkpoints. Collective: all ranks call it."""
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}")
     rank0 = dist.get_rank() == 0
@@ -213,5 +244,24 @@ def atomic_save(state: dict, save_dir: str, iteration: int) -> str:
             os.fsync(f.fileno())
         os.replace(pointer + ".tmp", pointer)
         print(f"saved checkpoint {final}", flush=True)
+        if retain:
+            prune_checkpoints(save_dir, iteration, retain)
     dist.barrier()
     return final
+
+
+def prune_checkpoints(save_dir: str, newest: int, retain: int) -> list[int]:
+    """Keep checkpoint ``newest`` (the one just saved) and the ``retain - 1`` highest other
+    iterations; remove the rest, each renamed away first so that a crash mid-delete leaves no
+    half checkpoint under a checkpoint's name. Returns the removed iterations."""
+    found = [int(m.group(1)) for name in os.listdir(save_dir)
+             if (m := re.fullmatch(r"iter_(\d{7})", name))]
+    others = sorted((i for i in found if i != newest), reverse=True)
+    doomed = others[retain - 1:]
+    for i in doomed:
+        os.rename(os.path.join(save_dir, f"iter_{i:07d}"),
+                  os.path.join(save_dir, f".deleting_iter_{i:07d}"))
+    for name in os.listdir(save_dir):  # these, and any a crash left behind
+        if name.startswith(".deleting_iter_"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    return doomed

@@ -99,8 +99,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(info: LaunchInfo, backend: str = "auto", timeout_minutes: int = 30):
-    """torch.distributed over TCP rendezvous at rank 0; a no-op if already initialised."""
+def init_process_group(info: LaunchInfo, backend: str = "auto", timeout_minutes: float = 10):
+    """torch.distributed over TCP rendezvous at rank 0; a no-op if already initialised. A
+    collective that waits longer than ``timeout_minutes`` for a peer fails (training/peers)."""
     if dist.is_initialized():
         return
     if backend == "auto":
@@ -124,15 +125,18 @@ def initialize(args) -> LaunchInfo:
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_ext.compat import cpu
+    from megatron_ext.training.peers import record_peers
 
     cpu.activate()
     info = resolve_launch()
-    init_process_group(info, args.distributed_backend)
+    init_process_group(info, args.distributed_backend, args.distributed_timeout_minutes)
+    record_peers(args.distributed_timeout_minutes)  # to name a lost rank (training/peers.py)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,  # megatron's groups too
     )
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)

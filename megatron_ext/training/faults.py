@@ -29,8 +29,6 @@ import argparse
 import hashlib
 import json
 import math
-import multiprocessing
-import multiprocessing.managers
 import signal
 import threading
 
@@ -167,8 +165,6 @@ class FaultHandler:
         self._state = state
         if args.exit_signal_handler and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-            if args.save:
-                _start_writer_queue_ignoring_sigterm()
         if args.inject_nonfinite_at_step:
             self._hook_handles = [m.register_forward_hook(self._poison)
                                   for m in unwrap_model(run.model) if getattr(m, "post_process", 1)]
@@ -238,23 +234,6 @@ class FaultHandler:
                 else "exiting (no checkpoint: --no-save)"
             print(f"received SIGTERM: stopping after step {state.iteration}, {then}", flush=True)
         return bool(flag.item())
-
-
-def _start_writer_queue_ignoring_sigterm() -> None:
-    """megatron's checkpoint writer reports through a queue served by a multiprocessing
-    Manager process, started at the first save. SLURM signals every process of a job step, so
-    SIGTERM would kill that server and the pre-emption save would fail (seen: BrokenPipeError).
-    Start it now, ignoring SIGTERM (it still ends with the trainer). A megatron-core without
-    this module-level queue is left alone."""
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except ImportError:
-        return
-    if getattr(filesystem_async, "_results_queue", False) is not None:
-        return  # already started, or another megatron-core version
-    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_IGN))
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
 # ---------------------------------------------------------------- rank desync

@@ -1,5 +1,6 @@
-"""DDP wrapping, the megatron-core optimizer (AdamW, optionally distributed) and LR schedule,
-and how to find the parameters a megatron optimizer updates (:func:`main_params`)."""
+"""DDP wrapping (FSDP: ``fsdp.py``), the megatron-core optimizer (AdamW, optionally
+distributed) and LR schedule, and how to find the parameters a megatron optimizer updates
+(:func:`main_params`)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.errors import UsageError
-
 
 def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
-    """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32)."""
+    """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32), or
+    with --use-torch-fsdp2 / --use-megatron-fsdp megatron-core's FSDP wrappers (fsdp.py)."""
     if args.use_torch_fsdp2 or args.use_megatron_fsdp:
-        return _wrap_fsdp(args, config, chunks)
+        from megatron_ext.training.fsdp import wrap_fsdp
+
+        config.finalize_model_grads_func = finalize_model_grads
+        return wrap_fsdp(args, config, chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -30,30 +33,6 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> lis
     wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                        disable_bucketing=i > 0)
                for i, chunk in enumerate(chunks)]
-    config.finalize_model_grads_func = finalize_model_grads
-    return wrapped
-
-
-def _wrap_fsdp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
-    """Fully sharded data parallel through megatron-core's own wrappers (GPU only)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("--use-torch-fsdp2 / --use-megatron-fsdp need CUDA: megatron-core's "
-                         "FSDP wrappers place parameters on the GPU (see docs/parallelism.md)")
-    if args.use_torch_fsdp2:
-        from megatron.core.distributed.torch_fully_sharded_data_parallel import (
-            TorchFullyShardedDataParallel,
-        )
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
-        wrapped = [TorchFullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-    else:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, use_megatron_fsdp=True,
-            data_parallel_sharding_strategy="optim_grads_params")
-        wrapped = [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
-                   for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped
 
@@ -70,8 +49,8 @@ def build_optimizer(args: argparse.Namespace, model: list):
         clip_grad=args.clip_grad,
         bf16=bool(args.bf16),
         params_dtype=model[0].config.params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer
-        or args.use_torch_fsdp2 or args.use_megatron_fsdp,
+        # FSDP2's shards go to the ordinary optimizer; Megatron-FSDP needs the distributed one
+        use_distributed_optimizer=args.use_distributed_optimizer or args.use_megatron_fsdp,
     )
     return get_megatron_optimizer(config, model)
 
@@ -91,10 +70,13 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
-        wd_incr_style="constant",
+        wd_incr_steps=args.lr_decay_iters,  # unused (constant); not --train-iters, which a
+        wd_incr_style="constant",           # resume may change without changing the schedule
         wsd_decay_steps=wsd_steps,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        # on --load: which schedule wins (training/schedule_resume.py)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
 
 

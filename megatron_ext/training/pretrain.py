@@ -20,6 +20,9 @@ from megatron_ext.training import dry_run
 from megatron_ext import extension as ext
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.distributed import resolve_launch
+from megatron_ext.training import child_processes
+from megatron_ext.training.outputs import check_run_outputs
+from megatron_ext.training.peers import peer_loss_reported
 from megatron_ext.errors import UsageError
 
 
@@ -78,13 +81,13 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     for wrap in ext.hooks(extensions, "wrap_optimizer"):
         opt = wrap(args, ddp_model, opt)
     scheduler = optimizer.build_scheduler(args, opt)
-    ckpt = checkpointing.Checkpointer(args.save, ddp_model, opt, scheduler)
+    ckpt = checkpointing.Checkpointer(args.save, ddp_model, opt, scheduler, args.save_retain)
     run = TrainingRun(ddp_model, opt, scheduler, (train_ds, valid_ds), TrainState(), ckpt,
                       partial(loop.replay, args, ddp_model, train_ds))
     for hook in ext.hooks(extensions, "after_setup"):
         hook(args, run, run.state)
     if args.load:
-        run.state = ckpt.load(args.load, args.finetune)
+        run.state = ckpt.load(args.load, args.finetune, args.load_unverified)
     return run
 
 
@@ -92,7 +95,8 @@ def _announce(family: str, args, run: TrainingRun) -> None:
     n_params = sum(p.numel() for c in run.model for p in c.parameters())
     print(f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
           f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-          f"DP={args.data_parallel} | {args.num_microbatches} micro-batches/step | "
+          f"DP={args.data_parallel} | {args.num_microbatches} "
+          f"micro-batch{'es' if args.num_microbatches != 1 else ''}/step | "
           f"run dir {args.run_dir}", flush=True)
 
 
@@ -110,6 +114,8 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
         validate(args)
     if simulated:
         return dry_run.run(args, simulated, extensions)
+    check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
+    child_processes.install(bool(args.save))  # checkpoint helpers die with this process
     run = setup(args, extensions)
     logger = None
     if dist.get_rank() == 0:
@@ -129,7 +135,8 @@ def main(family: str, extensions: list[ext.Extension] = ()) -> int:
     # never use; they would bury the one line a user needs to read.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
-        pretrain(family, extensions=extensions)
+        with peer_loss_reported():  # a dead or stalled rank: one line (training/peers.py)
+            pretrain(family, extensions=extensions)
     except UsageError as exc:
         if resolve_launch().rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)

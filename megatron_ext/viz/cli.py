@@ -8,6 +8,7 @@
     plot_precision.py divergence DIVERGENCE.json --out div.png [--option NAME] [--metric dL]
     plot_precision.py loss RUN_DIR... --out loss.png [--labels a,b] [--smooth N]
                       [--from-step STEP]
+    plot_precision.py gnmr RUN_DIR_OR_TRACE --out gnmr.png
 
 Bad input: one ``error:`` line on stderr, exit status 2, no output file. Parsing only: the
 readers are :mod:`megatron_ext.viz.inputs`, the figures :mod:`megatron_ext.viz.plots`.
@@ -19,6 +20,7 @@ import argparse
 import sys
 
 from megatron_ext.errors import OneLineParser, UsageError, run_cli
+from megatron_ext.io import check_output
 
 
 def _positive_int(text: str) -> int:
@@ -104,13 +106,21 @@ def _add_loss(sub) -> None:
     _common(p)
 
 
+def _add_gnmr(sub) -> None:
+    p = _subparser(sub, "gnmr", "GNMR and Δ-GNMR per unit over training with their "
+                                "thresholds, and the promotion raster (GNMR paper Fig. 2-3)")
+    p.add_argument("trace", metavar="RUN_DIR_OR_TRACE",
+                   help="a --gnmr run directory (its gnmr/trace.jsonl) or a trace file")
+    _common(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="plot_precision.py",
-                     description="Plots of precision plans, their refreshes, SNIP divergences "
-                                 "and loss curves (PNG, no display needed).",
+                     description="Plots of precision plans, their refreshes, SNIP divergences, "
+                                 "loss curves and GNMR traces (PNG, no display needed).",
                      epilog="Examples and input formats: docs/plots.md")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_plan, _add_stages, _add_evolution, _add_divergence, _add_loss):
+    for add in (_add_plan, _add_stages, _add_evolution, _add_divergence, _add_loss, _add_gnmr):
         add(sub)
     return parser
 
@@ -182,12 +192,19 @@ def _plot_loss(args):
     return plots.loss_curves(curves, args.smooth, args.from_step)
 
 
+def _plot_gnmr(args):
+    from megatron_ext.viz import inputs, traces
+
+    return traces.gnmr_traces(inputs.load_gnmr_trace(args.trace))
+
+
 COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolution,
-            "divergence": _plot_divergence, "loss": _plot_loss}
+            "divergence": _plot_divergence, "loss": _plot_loss, "gnmr": _plot_gnmr}
 
 
 def _run(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
+    check_output(args.out, "--out", kind="file")
     figure = COMMANDS[args.command](args)
     from megatron_ext.viz.plots import save_png
 

@@ -10,7 +10,14 @@ line turns it into ``error: ...`` and exit status 2. Files written by a run:
        "sites": {"L0.qkv": {"<option>": {"dL": 1e-4, "dW": 3e-5, "q": 2e-4}, ...}, ...}}
 
 * ``RUN/metrics.jsonl`` — one JSON object per line: train records with ``"loss"``, validation
-  records with ``"val_loss"``, both with ``"step"`` (``megatron_ext.training.metrics``).
+  records with ``"val_loss"``, both with ``"step"`` (``megatron_ext.training.metrics``);
+* ``RUN/gnmr/trace.jsonl`` — one GNMR decision per line (``docs/gnmr.md``)::
+
+      {"step": 12, "alpha": 2.0, "beta": 1.5, "units": {"L0": {"norm": 0.41, "agnm": 0.37,
+       "gnmr": 1.12, "dgnmr": 1.05, "high": true, "lock": 10}, ...}}
+
+  (``null`` for a non-finite number; a skipped step has ``"nonfinite": true`` and no
+  thresholds).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import json
 import math
 import os
 from dataclasses import dataclass
+
+import numpy as np
 
 from megatron_ext.io import read_json
 from megatron_ext.sites import parse_site_id
@@ -247,3 +256,79 @@ def _default_label(source: str) -> str:
     if os.path.basename(path) == "metrics.jsonl":
         path = os.path.dirname(path) or path
     return os.path.basename(path)
+
+
+# ---------------------------------------------------------------------------- GNMR trace
+
+TRACE = os.path.join("gnmr", "trace.jsonl")
+"""Where a ``--gnmr`` run writes its trace, relative to the run directory."""
+TRACE_VALUES = ("norm", "gnmr", "dgnmr")
+"""Per-unit numbers of a trace line that :class:`GnmrTrace` keeps."""
+
+
+@dataclass(frozen=True)
+class GnmrTrace:
+    """A run's GNMR trace, one column per step (the last line of a step wins: a resumed run
+    appends the steps after its checkpoint again)."""
+
+    steps: tuple[int, ...]
+    """Training steps, ascending."""
+    units: tuple[str, ...]
+    """Unit ids (``L3`` or ``L3.fc1``), in the trace's order."""
+    values: dict[str, np.ndarray]
+    """``norm``, ``gnmr``, ``dgnmr`` -> [unit, step] floats (NaN where the trace has null)."""
+    high: np.ndarray
+    """[unit, step]: the unit runs the *next* step in high precision."""
+    alpha: np.ndarray
+    """α_t per step (NaN on a skipped, non-finite step)."""
+    beta: np.ndarray
+    """β_t per step (NaN on a skipped step)."""
+    nonfinite: tuple[int, ...]
+    """Steps that were skipped (non-finite loss or gradients)."""
+    compare: str
+    """``ratio`` or ``excess``: the run's ``--gnmr-compare`` (from its args.json; ratio if
+    there is none)."""
+
+
+def _trace_line(record: dict, path: str, units) -> tuple[int, dict]:
+    step, entries = record.get("step"), record.get("units")
+    if isinstance(step, bool) or not isinstance(step, int) or not isinstance(entries, dict) \
+            or not entries or (units is not None and list(entries) != list(units)):
+        raise ValueError(f"'{path}': step {step!r} is not a GNMR trace line of the same units "
+                         f"(need \"step\" and \"units\")")
+    for unit, entry in entries.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("high"), bool):
+            raise ValueError(f"'{path}': step {step}, unit {unit}: need an object with "
+                             f"\"high\": true/false")
+    return step, entries
+
+
+def _run_compare(path: str) -> str:
+    args = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "args.json")
+    if not os.path.isfile(args):
+        return "ratio"
+    return read_json(args).get("gnmr_compare") or "ratio"
+
+
+def load_gnmr_trace(source: str) -> GnmrTrace:
+    """A run directory's ``gnmr/trace.jsonl`` (or that file) as a :class:`GnmrTrace`."""
+    path = os.path.join(source, TRACE) if os.path.isdir(source) else source
+    lines, units = {}, None
+    for record in _records(path):
+        step, entries = _trace_line(record, path, units)
+        units = units or tuple(entries)
+        lines[step] = record
+    if not lines:
+        raise ValueError(f"'{path}' has no GNMR trace lines")
+    steps = tuple(sorted(lines))
+
+    def grid(key):
+        return np.array([[_number(lines[t]["units"][u].get(key), f"'{path}' step {t} {u}.{key}")
+                          for t in steps] for u in units], dtype=float)
+
+    header = {key: np.array([_number(lines[t].get(key), f"'{path}' step {t} {key}")
+                             for t in steps], dtype=float) for key in ("alpha", "beta")}
+    high = np.array([[lines[t]["units"][u]["high"] for t in steps] for u in units])
+    nonfinite = tuple(t for t in steps if lines[t].get("nonfinite"))
+    return GnmrTrace(steps, units, {key: grid(key) for key in TRACE_VALUES}, high,
+                     header["alpha"], header["beta"], nonfinite, _run_compare(path))

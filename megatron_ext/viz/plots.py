@@ -178,7 +178,7 @@ def _step_axis(ax, plans) -> None:
     ax.set_xlabel("refresh step")
 
 
-def _row_axis(ax, rows: list[str]) -> None:
+def row_axis(ax, rows: list[str]) -> None:
     """Label every row (``L3.fc1`` or ``L3.fc1.dy``) when there are few, else the first row of
     every k-th layer (``L3``); lines between layers."""
     layers = [row.split(".")[0] for row in rows]
@@ -199,7 +199,7 @@ def _evolution_fp4(fig, ax, plans, sites) -> None:
                       cmap=ListedColormap(FP4_ROLE_COLORS))
     bar = fig.colorbar(image, ax=ax, ticks=range(4), fraction=0.05)
     bar.set_label("FP4 roles of x, w, dy")
-    _row_axis(ax, sites)
+    row_axis(ax, sites)
 
 
 def _evolution_formats(ax, plans, sites) -> None:
@@ -207,7 +207,7 @@ def _evolution_formats(ax, plans, sites) -> None:
     families = [[format_family(getattr(plan.formats(sid), role)) for plan in plans]
                 for sid, role in rows]
     ax.imshow(_rgb_grid(families), aspect="auto", interpolation="nearest")
-    _row_axis(ax, [f"{sid}.{role}" for sid, role in rows])
+    row_axis(ax, [f"{sid}.{role}" for sid, role in rows])
     _family_legend(ax, {f for row in families for f in row})
 
 

@@ -5,29 +5,14 @@ checkpoint files at --load."""
 import os
 import shutil
 import signal
-import time
 
-import psutil
 import pytest
 import torch
 
 from pretrain_runner import (FAST_ARGS, REPO, free_port, kill_group, latest_iteration, launch,
-                             start_in_group, train_losses)
+                             logged_steps, start_in_group, torchrun_worker, train_losses,
+                             wait_for)
 from megatron_ext.training.checkpoint_integrity import MANIFEST, write_manifest
-
-
-def _wait_for(condition, proc, seconds=240) -> None:
-    deadline = time.time() + seconds
-    while not condition() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert condition(), "the run ended or stalled before the expected point"
-
-
-def _logged_steps(run_dir) -> int:
-    try:
-        return max(train_losses(run_dir), default=0)
-    except FileNotFoundError:
-        return 0
 
 
 def test_rank_desync_aborts_every_rank_before_saving(tmp_path):
@@ -47,31 +32,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
                    "--save-interval", "1", "--run-dir", str(run_dir), "--save", str(save)],
                   tmp_path / "run.log")
     try:
-        _wait_for(lambda: latest_iteration(save) >= 1, proc)  # the writer's helper processes are up
+        wait_for(lambda: latest_iteration(save) >= 1, proc)  # the writer's helper processes are up
         os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: every process of the job step
         returncode = proc.wait(timeout=120)
     finally:
         kill_group(proc)
     log = (tmp_path / "run.log").read_text()
     assert returncode == 0, log[-3000:]
-    stopped = _logged_steps(run_dir)
+    stopped = logged_steps(run_dir)
     assert f"received SIGTERM: stopping after step {stopped}, saving a checkpoint" in log
     assert 1 <= stopped < 1000 and latest_iteration(save) == stopped
-    launch([*FAST_ARGS, "--train-iters", str(stopped + 1), "--run-dir",
-            str(tmp_path / "resumed"), "--no-save", "--load", str(save)])
+    launch([*FAST_ARGS, "--train-iters", str(stopped + 1), "--lr-decay-iters", "1000",
+            "--run-dir", str(tmp_path / "resumed"), "--no-save", "--load", str(save)])
     assert sorted(train_losses(tmp_path / "resumed")) == [stopped + 1]
-
-
-def _worker(agent: psutil.Process, rank: int) -> psutil.Process:
-    for _ in range(600):
-        for child in agent.children():
-            try:
-                if child.environ().get("RANK") == str(rank):
-                    return child
-            except psutil.Error:
-                pass
-        time.sleep(0.1)
-    raise AssertionError(f"no rank {rank} worker under torchrun")
 
 
 def test_sigterm_to_one_rank_stops_all_ranks_after_the_same_step(tmp_path):
@@ -81,15 +54,15 @@ def test_sigterm_to_one_rank_stops_all_ranks_after_the_same_step(tmp_path):
                    "--train-iters", "1000", "--run-dir", str(run_dir), "--save", str(save)],
                   tmp_path / "run.log")
     try:
-        rank1 = _worker(psutil.Process(proc.pid), 1)
-        _wait_for(lambda: _logged_steps(run_dir) >= 2, proc)
+        rank1 = torchrun_worker(proc.pid, 1)
+        wait_for(lambda: logged_steps(run_dir) >= 2, proc)
         rank1.send_signal(signal.SIGTERM)  # rank 0 learns it through the all-reduce
         returncode = proc.wait(timeout=120)
     finally:
         kill_group(proc)
     log = (tmp_path / "run.log").read_text()
     assert returncode == 0, log[-3000:]  # torchrun saw both ranks exit 0
-    stopped = _logged_steps(run_dir)
+    stopped = logged_steps(run_dir)
     assert f"received SIGTERM: stopping after step {stopped}" in log
     assert latest_iteration(save) == stopped and (save / f"iter_{stopped:07d}" / MANIFEST).is_file()
 
@@ -121,7 +94,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
     train = [*FAST_ARGS, "--train-iters", "2", "--save-interval", "1", "--save", str(save)]
     proc = start_in_group([str(script), *train, "--run-dir", str(tmp_path / "run")], tmp_path / "run.log")
     try:
-        _wait_for(marker.exists, proc)
+        wait_for(marker.exists, proc)
     finally:
         kill_group(proc)  # SIGKILL to the trainer and the writer's helper processes
     assert proc.returncode == -signal.SIGKILL

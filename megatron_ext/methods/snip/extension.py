@@ -144,8 +144,12 @@ class SnipRun:
 
     def validate(self, args) -> None:
         self.policy = args.precision if args.precision in POLICIES else None
-        if self.policy is not None:
-            self.candidates, self.options = parse_flags(args)
+        if self.policy is None:
+            return
+        if getattr(args, "use_torch_fsdp2", False):  # _weight_stats reads whole weights
+            raise UsageError(f"--precision {self.policy} does not run under --use-torch-fsdp2 "
+                             "yet (its statistics need unsharded weights)")
+        self.candidates, self.options = parse_flags(args)
 
     def after_setup(self, args, run, state) -> None:
         if self.policy is not None:

@@ -16,8 +16,16 @@ them (``megatron_ext/training/optimizer.py``: ``grad_reduce_in_fp32=True``, Adam
 
 ``Z = D`` with ``--use-distributed-optimizer`` (ZeRO-1: the optimizer state is sharded over
 the DP group), else 1 — Megatron-LM's "18 bytes per parameter, 6 + 12/D with the distributed
-optimizer". With FSDP (``--use-torch-fsdp2`` / ``--use-megatron-fsdp``, which this project
-runs with the "optim_grads_params" strategy) all three lines are divided by ``D``.
+optimizer". With FSDP all three lines are divided by ``D``. For ``--use-torch-fsdp2``
+(``training/fsdp.py``) each rank keeps ``1/D`` of every weight, FSDP2 reduce-scatters the
+gradients into ``1/D`` shards, and megatron's ordinary optimizer steps only those shards:
+FP32 gradients of FP32 params, or, for BF16 params, FP32 main gradients (4 bytes) it copies
+the BF16 shard gradients into; ``tests/distributed/test_fsdp_parallel.py`` checks the
+three lines byte for byte against what each rank holds after a step (exact when ``D`` divides
+every weight's first dimension; otherwise the first ranks hold one row more). Not counted:
+the one FSDP unit (transformer layer or embedding) whose full weights are all-gathered while
+it runs.
+Megatron-FSDP (``--use-megatron-fsdp``, "optim_grads_params") shards the same three.
 The optimizer line assumes FP32 states; ``--optimizer stquant-adamw`` adds its own column
 (``megatron_ext/methods/stquant/dry_run.py``).
 

@@ -21,6 +21,9 @@ def active():
     cpu.deactivate()
     assert not cpu.is_active()
     assert torch._C._len_torch_function_stack() == 0
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as mcore_fsdp2
+    from torch.distributed.device_mesh import DeviceMesh
+    assert mcore_fsdp2.DeviceMesh is DeviceMesh  # patch point 6 undone
 
 
 def test_current_device_is_usable_as_a_device():
@@ -91,15 +94,42 @@ def test_synchronize_and_empty_cache_are_noops():
     assert torch.cuda.empty_cache() is None
 
 
+def test_fsdp2_wrapper_mesh_is_cpu_and_shards_train(tmp_path):
+    # megatron's TorchFullyShardedDataParallel asks for a "cuda" mesh; torch's fully_shard on
+    # it stops with "Torch not compiled with CUDA enabled"
+    import torch.distributed as dist
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as mcore_fsdp2
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        mesh = mcore_fsdp2.DeviceMesh.from_group(dist.group.WORLD, "cuda")
+        assert mesh.device_type == "cpu"
+        layer = torch.nn.Linear(4, 2, bias=False)
+        expected = layer.weight.detach().clone()
+        fully_shard(layer, mesh=mesh)
+        layer(torch.ones(3, 4)).sum().backward()
+        assert isinstance(layer.weight, DTensor)
+        assert torch.equal(layer.weight.full_tensor(), expected)
+        assert torch.equal(layer.weight.grad.full_tensor(), torch.full((2, 4), 3.0))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_inert_when_cuda_is_present():
     script = textwrap.dedent("""
         from unittest import mock
         import torch
+        from megatron.core.distributed import torch_fully_sharded_data_parallel as mcore_fsdp2
+        from torch.distributed.device_mesh import DeviceMesh
         before = torch.cuda.current_device
         with mock.patch.object(torch.cuda, "is_available", return_value=True):
             from megatron_ext.compat import cpu
             assert cpu.activate() is False
         assert torch.cuda.current_device is before
+        assert mcore_fsdp2.DeviceMesh is DeviceMesh
         assert not cpu.is_active()
         assert torch._C._len_torch_function_stack() == 0
         print("inert")

@@ -89,15 +89,15 @@ def test_missing_key_and_non_string_value(tmp_path):
         preprocess(PreprocessConfig(str(path), str(tmp_path / "o")), log=None)
 
 
-def test_cli_bad_line_exits_nonzero_with_one_error_line(tmp_path):
+def test_cli_bad_line_exits_2_with_one_error_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\nnot json\n')
     run = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(bad),
-         "--output-prefix", str(tmp_path / "o"), "--append-eod"],
+         "--output-prefix", str(tmp_path / "new" / "deeper" / "o"), "--append-eod"],
         capture_output=True, text=True, timeout=300,
     )
-    assert run.returncode == 1
+    assert run.returncode == 2
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "bad.jsonl:2: invalid JSON" in errors[0]
-    assert os.listdir(tmp_path) == ["bad.jsonl"]
+    assert os.listdir(tmp_path) == ["bad.jsonl"]  # not even the folders it made for them

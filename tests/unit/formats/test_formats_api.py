@@ -1,10 +1,13 @@
-"""Names, the registry and the Format object."""
+"""Names, the registry, the Format object and the package's module structure."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import megatron_ext.formats
 from megatron_ext.formats import (
     AmaxScaling,
     Format,
@@ -116,3 +119,40 @@ def test_format_built_directly():
     assert fmt.name == "fp8_e5m2@tile128" and fmt == get_format("fp8_e5m2@tile128")
     with pytest.raises(ValueError):
         Format(element=get_element("bf16"), scaling=AmaxScaling(), rounding=Rounding.NEAREST)
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Modules of the package a file imports (relative imports, anywhere in the file), and
+    any absolute ``megatron_ext`` import."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_ext"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("megatron_ext")}
+    return found
+
+
+def test_modules_import_no_cycle_and_nothing_else_of_ours():
+    """Depth-first search over the package's own import graph (deferred imports included)."""
+    root = Path(megatron_ext.formats.__file__).parent
+    graph = {p.stem: _imports_of(p) for p in root.glob("*.py") if p.stem != "__init__"}
+    assert graph["triton_kernels"] and graph["pipeline"]  # not vacuous
+    # a module named like an exported name is shadowed by it (formats.quantize is a function)
+    assert not set(graph) & set(megatron_ext.formats.__all__)
+    assert not [m for deps in graph.values() for m in deps if m not in graph], graph
+    done, path = set(), []
+
+    def visit(module):
+        assert module not in path, f"import cycle: {' -> '.join([*path, module])}"
+        if module not in done:
+            path.append(module)
+            for dep in sorted(graph[module]):
+                visit(dep)
+            path.pop()
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module)

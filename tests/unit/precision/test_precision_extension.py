@@ -74,7 +74,7 @@ def test_plan_is_checkpointed_and_restored(tmp_path, fp4):
     assert "restoring the checkpoint's plan (uniform:fp4" in proc.stdout
     assert _losses(resumed) == {s: l for s, l in _losses(fp4[0]).items() if s > 2}
     assert _records(resumed)[0]["fp4_flop_frac"] == 1.0
-    kept, _ = _train(tmp_path, "override", "--no-save", "--load", ckpt,
+    kept, _ = _train(tmp_path, "override", "--no-save", "--load", ckpt, "--lr-decay-iters", 4,
                      "--precision", "uniform:fp8", "--override-precision-plan", steps=3)
     assert _records(kept)[0]["fp8_flop_frac"] == 1.0
 

@@ -80,11 +80,18 @@ def test_corrupt_manifest(ckpt):
         verify_manifest(str(ckpt))
 
 
-def test_checkpoint_without_manifest_is_still_checked_for_code(ckpt, capsys):
+def test_checkpoint_without_manifest_loads_only_unverified(ckpt, capsys, tmp_path):
     os.remove(ckpt / MANIFEST)
     assert verify_manifest(str(ckpt)) is False
-    verify_checkpoint(str(ckpt))
-    assert "has no checksums.json" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="has no checksums.json.*pass --load-unverified"):
+        verify_checkpoint(str(ckpt))
+    verify_checkpoint(str(ckpt), unverified=True)
+    assert "unverified (--load-unverified): it has no checksums.json" in capsys.readouterr().out
+    marker = tmp_path / "marker"  # and unverified is still checked for code
+    torch.save({"iteration": 3, "payload": RunsCode(marker)}, ckpt / "common.pt")
+    with pytest.raises(UsageError, match="refusing"):
+        verify_checkpoint(str(ckpt), unverified=True)
+    assert not marker.exists()
 
 
 def test_common_pt_that_runs_code_is_refused(ckpt, tmp_path):

@@ -53,6 +53,8 @@ CASES = {
                                    "learned_absolute"], 1, "--use-rope-scaling needs"),
     "rope scaling factor": (["--use-rope-scaling", "--rope-scaling-factor", "0"], 1,
                             "--rope-scaling-factor must be positive"),
+    "distributed timeout not positive": (["--distributed-timeout-minutes", "0"], 1,
+                                         "--distributed-timeout-minutes must be positive"),
     "openai gelu with swiglu": (["--openai-gelu"], 1, "--openai-gelu selects the GeLU"),
 }
 
@@ -92,7 +94,8 @@ def test_corrupt_checkpoint(tmp_path, filename, content, fragment):
     bad = tmp_path / "bad-ckpt"
     bad.mkdir()
     (bad / filename).write_text(content)
-    proc = _run([*FAST_ARGS, "--train-iters", "2", "--load", str(bad)], tmp_path=tmp_path)
+    proc = _run([*FAST_ARGS, "--train-iters", "2", "--load", str(bad), "--load-unverified"],
+                tmp_path=tmp_path)
     _assert_one_line_error(proc, fragment)
 
 

@@ -204,7 +204,7 @@ def test_help_runs_as_a_script():
                           text=True, timeout=120)
     assert done.returncode == 0
     assert all(cmd in done.stdout for cmd in ("plan", "stages", "evolution", "divergence",
-                                              "loss"))
+                                              "loss", "gnmr"))
 
 
 def _edit_json(path: Path, **changes) -> Path:

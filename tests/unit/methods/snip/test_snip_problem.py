@@ -155,12 +155,12 @@ def run_tool(*args):
                           text=True, timeout=120, cwd=REPO)
 
 
-def test_cli_writes_the_plan(tmp_path):
+def test_cli_writes_the_solution(tmp_path):
     problem = synthetic_problem(22, stages=4, seed=0, shape="tinyllama")
     problem.save(str(tmp_path / "problem.json"))
     out = tmp_path / "plan.json"
     proc = run_tool("--problem", tmp_path / "problem.json", "--budget", "0.75",
-                    "--stage-balance", "time", "--out", out, "--time-limit", "10",
+                    "--stage-balance", "time", "--solution", out, "--time-limit", "10",
                     "--mip-gap", "0", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("optimal: objective")
@@ -174,7 +174,7 @@ def test_cli_writes_the_plan(tmp_path):
         assert key in plan
 
     warm = run_tool("--problem", tmp_path / "problem.json", "--budget", "0.95",
-                    "--stage-balance", "paper", "--out", tmp_path / "fallback.json",
+                    "--stage-balance", "paper", "--solution", tmp_path / "fallback.json",
                     "--warm-start", out)
     assert warm.returncode == 0 and warm.stderr.startswith("warning:")
     assert json.loads((tmp_path / "fallback.json").read_text())["status"] == \
@@ -190,16 +190,19 @@ def test_cli_writes_the_plan(tmp_path):
     (["--budget", "0.5", "--problem", "missing.json"], "cannot read"),
     (["--budget", "0.5", "--problem", "bad.json"], "'options' must be a non-empty list"),
     (["--budget", "0.5", "--warm-start", "bad.json"], "--warm-start"),
-    (["--budget", "0.5", "--out", "no/such/dir/plan.json"], "cannot write"),
+    (["--budget", "0.5", "--solution", "no/such/dir/plan.json"], "cannot write"),
+    (["--budget", "0.5", "--out", "plan.json"], "option 'fp8' of L0.fc1 is a name, not formats"),
+    (["--budget", "0.5", "--solution", "x.json", "--out", "x.json"],
+     "--out and --solution name the same file"),
 ])
 def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
     Problem.from_dict(SMALL).save(str(tmp_path / "problem.json"))
     bad = copy.deepcopy(SMALL)
     bad["sites"][0]["options"] = []
     (tmp_path / "bad.json").write_text(json.dumps(bad), encoding="utf-8")
-    defaults = {"--problem": "problem.json", "--out": "plan.json"}
+    defaults = {"--problem": "problem.json", "--solution": "plan.json"}
     for flag, value in defaults.items():
-        if flag not in args:
+        if flag not in args and (flag != "--solution" or "--out" not in args):
             args = [*args, flag, value]
     args = [str(tmp_path / a) if a.endswith(".json") else a for a in args]
     proc = run_tool(*args)

@@ -3,6 +3,7 @@ step fixed in advance, the offline tool on the refresh's problem, a resume betwe
 and its apply step reproducing the uninterrupted run, and bad SNIP flags."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -57,12 +58,45 @@ def test_plan_switches_at_the_apply_step(snip_run):
 
 
 def test_offline_tool_resolves_the_refresh_problem(snip_run, tmp_path):
-    problem = snip_run / "snip" / "step_000002" / "problem.json"
+    refresh = snip_run / "snip" / "step_000002"
     out = tmp_path / "plan.json"
     subprocess.run([sys.executable, str(REPO / "tools" / "snip_analyze.py"), "--problem",
-                    str(problem), "--budget", "0.75", "--out", str(out)], check=True,
-                   capture_output=True, cwd=REPO)
-    assert json.loads(out.read_text())["fp4_fraction"] >= 0.75 - 1e-9
+                    str(refresh / "problem.json"), "--budget", "0.75", "--out", str(out)],
+                   check=True, capture_output=True, cwd=REPO)
+    solution = json.loads((tmp_path / "plan.solution.json").read_text())
+    assert solution["fp4_fraction"] >= 0.75 - 1e-9
+    plan, runs = load_plan(str(out)), load_plan(str(refresh / "plan.json"))
+    assert (plan.method, plan.step, plan.budget) == ("snip", 2, 0.75)
+    assert plan.objective == solution["objective"]
+    assert sorted(plan.sites) == sorted(solution["choice"]) == sorted(runs.sites)
+
+
+def _readme_commands(*starts: str) -> list[str]:
+    """The README's commands (continuation lines joined, comments cut) beginning so."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    lines = [line.split("#")[0].split() for line in text.splitlines()]
+    return [" ".join(next(w for w in lines if " ".join(w).startswith(s))) for s in starts]
+
+
+def test_readme_snip_commands_chain(snip_run, tmp_path):
+    """snip_analyze's --out is what --precision-plan and plot_precision read: run the README's
+    three adjacent lines, in its order, on a real refresh's problem."""
+    commands = _readme_commands("python tools/snip_analyze.py --problem",
+                                "python pretrain_llama.py --precision-plan",
+                                "python tools/plot_precision.py plan")
+    problem = str(snip_run / "snip" / "step_000002" / "problem.json")
+    for command in commands:
+        argv = [problem if a.endswith("/problem.json") else a for a in command.split()[1:]]
+        argv[0] = str(REPO / argv[0])
+        if "pretrain_llama.py" in argv[0]:
+            argv += [*FAST_ARGS, "--train-iters", "2", "--no-save", "--run-dir", "run"]
+        proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, f"{command}:\n{proc.stderr[-3000:]}"
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    plan = load_plan(str(tmp_path / "plan.json"))
+    assert load_plan(str(tmp_path / "run" / "precision_plan.json")).sites == plan.sites
 
 
 def test_resume_between_refresh_and_apply_reproduces_the_run(tmp_path):

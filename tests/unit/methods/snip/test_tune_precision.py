@@ -133,13 +133,14 @@ def test_snip_analyze_stats_reproduces_the_runs_plan(run, tmp_path):
     subprocess.run([sys.executable, str(REPO / "tools" / "snip_analyze.py"), "--stats",
                     str(run), "--budget", str(BUDGET), "--out", str(out)],
                    check=True, capture_output=True, cwd=REPO)
-    mine = json.loads(out.read_text())
+    mine = json.loads((tmp_path / "plan.solution.json").read_text())
     refresh = run / "snip" / "step_000002"
     theirs = json.loads((refresh / "solution.json").read_text())
     assert mine["stage_balance"] == MODE and mine["choice"] == theirs["choice"]
     assert mine["objective"] == theirs["objective"]
     plan = load_plan(str(refresh / "plan.json"))
     assert {s: parse_option_name(o) for s, o in mine["choice"].items()} == plan.sites
+    assert load_plan(str(out)).sites == plan.sites  # --out is the run's own plan
 
 
 def test_stats_is_found_in_a_run_directory(tmp_path):

@@ -1,0 +1,189 @@
+"""``--gnmr`` in training: norms every step, Algorithm 2, the promotion overlay, trace, state.
+
+One step ``t`` of a run with ``--gnmr`` (hooks in the order of ``default_extensions()``:
+faults, SNIP, GNMR, ..., the precision platform last):
+
+1. ``before_step``: the overlay ``gnmr/promotions`` (rule ``raise``) is laid from the plan
+   controller's *current* base and the units the last decision left high
+   (:func:`.promote.promotion_overlay`), whenever either changed; the platform's
+   ``before_step``, later in the same round, commits it on every rank. Laying it here rather
+   than right after the decision makes it follow a SNIP refresh, which replaces the base
+   earlier in the same round: the promoted sites are lifted from the new base (SNIP's FP8
+   site to BF16, not the old FP4 one to FP8), and the promotions survive the refresh.
+2. the step; the optimizer's ``step()`` is wrapped (``wrap_optimizer``) so that, after the
+   backward and its DP reduction and **before** megatron clips the gradients (in place, in
+   the DDP buffer), this rank's float64 sums of squares of the gradient elements it owns
+   are taken (:meth:`.grads.NormReader.measure`). Reading there gives the unclipped values
+   exactly; recovering them afterwards by dividing by the clip coefficient would carry the
+   rounding of the in-place multiply and need megatron's coefficient
+   (``clip_grad / (norm + 1e-6)``, applied only when below 1), which the loop does not expose.
+3. ``on_step``: one float64 all-reduce over the world gives every rank every unit's norm
+   (:meth:`.grads.NormReader.reduce`), :meth:`GnmrController.step` decides the units of step
+   ``t + 1``; rank 0 appends the decision's line to ``<run dir>/gnmr/trace.jsonl`` (strict
+   JSON, flushed) and the step's metrics get ``gnmr_units_high``, ``gnmr_promotions``,
+   ``gnmr_demotions`` (+ the controller's counters) and ``gnmr_s``, the seconds GNMR took
+   in this step (steps 1-3).
+
+A skipped step (non-finite loss or gradients: the optimizer never ran, so nothing was
+measured) is measured in ``on_nonfinite`` straight from the unclipped buffers and handled by
+:meth:`GnmrController.on_nonfinite` (the units with non-finite norms, or the one that jumped
+most, promoted with a full lock).
+
+State: the controller (running means, ring buffers, locks, promotions) is checkpoint state
+``gnmr``; the overlay itself is the platform's, so a resume restores both and continues
+bit for bit. A run resumed *without* ``--gnmr`` drops the checkpoint's GNMR overlay (nothing
+would ever demote it). On resume the trace gets the lines of the steps after the checkpoint
+again: a reader keeps the last line of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch.distributed as dist
+
+from megatron_ext.errors import UsageError
+from megatron_ext.extension import Extension
+from megatron_ext.methods.gnmr import dry_run, flags
+from megatron_ext.methods.gnmr.controller import Decision, GnmrConfig, GnmrController
+from megatron_ext.methods.gnmr.grads import NormReader
+from megatron_ext.methods.gnmr.promote import promotion_overlay
+from megatron_ext.methods.gnmr.units import unit_ids
+from megatron_ext.precision.controller import PlanController
+
+OWNER, OVERLAY = "gnmr", "promotions"
+"""The plan controller overlay GNMR owns."""
+TRACE = os.path.join("gnmr", "trace.jsonl")
+"""The per-step trace, relative to the run directory."""
+
+
+class GnmrRun:
+    """One run's GNMR: settings, the controller, the norm reader, the trace file."""
+
+    def __init__(self, plans: PlanController):
+        self.plans = plans
+        """The platform's plan controller (GNMR owns one overlay on it)."""
+        self.config: GnmrConfig | None = None
+        """The settings (None: ``--gnmr`` is off)."""
+        self.gnmr: GnmrController | None = None
+        """Algorithm 2 over this run's units (the same on every rank)."""
+        self.reader: NormReader | None = None
+        """Measures and reduces the unit norms."""
+        self.laid = (None, ())
+        """(base plan, promoted units) the overlay was last laid from."""
+        self.measured = None
+        """This step's local squares, from the wrapped ``optimizer.step``."""
+        self.seconds = 0.0
+        """Time GNMR spent in the current step so far."""
+        self.trace = None
+        """The open trace file (rank 0, once written)."""
+        self.run_dir: str | None = None
+        """``--run-dir`` (the trace goes under it; None: no trace)."""
+
+    def validate(self, args) -> None:
+        self.config = flags.config_from_args(args)
+        if self.config is not None:
+            units = unit_ids(args.num_layers, self.config.granularity)
+            self.gnmr = GnmrController.create(self.config, units, args.train_iters)
+            self.reader = NormReader(units, self.config.granularity)
+            self.run_dir = args.run_dir
+
+    # -- hooks ---------------------------------------------------------------------------
+    def wrap_optimizer(self, args, model, optimizer):
+        """``optimizer.step`` measures the local squares first (module docstring, step 2)."""
+        if self.config is None:
+            return optimizer
+        step = optimizer.step
+
+        def measured_step(*a, **kw):
+            start = time.perf_counter()
+            self.measured = self.reader.measure(model)
+            self.seconds += time.perf_counter() - start
+            return step(*a, **kw)
+
+        optimizer.step = measured_step
+        return optimizer
+
+    def after_setup(self, args, run, state) -> None:
+        if self.config is not None:
+            run.checkpointer.register(OWNER, self)
+
+    def before_step(self, args, run, state) -> None:
+        start = time.perf_counter()
+        if self.config is not None:
+            self._lay()
+        elif (stale := self.plans.overlay(OWNER, OVERLAY)) is not None and stale.sites:
+            self.plans.set_overlay(OWNER, OVERLAY, {}, rule="raise")
+            if dist.get_rank() == 0:
+                print(f"gnmr: dropping the checkpoint's GNMR promotions of "
+                      f"{len(stale.sites)} site(s) (--gnmr is off)", flush=True)
+        self.seconds = time.perf_counter() - start
+
+    def _lay(self) -> None:
+        """(Re)lay the overlay if the base plan or the promoted set changed."""
+        base, promoted = self.plans.base, self.gnmr.promoted
+        if base is not self.laid[0] or promoted != self.laid[1]:
+            self.plans.set_overlay(OWNER, OVERLAY, promotion_overlay(
+                base.sites, promoted, self.config.high), rule="raise")
+            self.laid = (base, promoted)
+
+    def on_step(self, args, run, state) -> dict | None:
+        if self.config is None or run.step_result["skipped"]:
+            return None  # a skipped step was handled by on_nonfinite
+        start = time.perf_counter()
+        measured, self.measured = self.measured, None
+        if measured is None:
+            raise RuntimeError("gnmr: the optimizer step ran without measuring the gradient "
+                               "norms (was the optimizer replaced after wrap_optimizer?)")
+        decision = self.gnmr.step(state.iteration, self.reader.reduce(measured))
+        return self._report(decision, start)
+
+    def on_nonfinite(self, args, run, state) -> dict | None:
+        if self.config is None:
+            return None
+        start = time.perf_counter()
+        self.measured = None
+        norms = self.reader.reduce(self.reader.measure(run.model))
+        return self._report(self.gnmr.on_nonfinite(state.iteration, norms), start)
+
+    def on_train_end(self, args, run, state) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    # -- output --------------------------------------------------------------------------
+    def _report(self, decision: Decision, start: float) -> dict:
+        """Append the trace line (rank 0); the step's metrics."""
+        if dist.get_rank() == 0 and self.run_dir:
+            if self.trace is None:
+                path = os.path.join(self.run_dir, TRACE)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self.trace = open(path, "a", encoding="utf-8")
+            self.trace.write(json.dumps(decision.trace, allow_nan=False) + "\n")
+            self.trace.flush()
+        self.seconds += time.perf_counter() - start
+        return {**decision.metrics(), "gnmr_s": self.seconds}
+
+    # -- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return self.gnmr.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            self.gnmr.load_state_dict(state)
+        except ValueError as exc:
+            raise UsageError(f"--load: {exc} (--gnmr-granularity and --gnmr-delta must match "
+                             f"the checkpoint's)") from None
+
+
+def gnmr_extension(plans: PlanController) -> Extension:
+    """The GNMR Extension of one run; its promotions are an overlay on ``plans``."""
+    run = GnmrRun(plans)
+    return Extension(name=OWNER, add_arguments=flags.add_arguments, validate=run.validate,
+                     wrap_optimizer=run.wrap_optimizer, after_setup=run.after_setup,
+                     before_step=run.before_step, on_step=run.on_step,
+                     on_nonfinite=run.on_nonfinite, on_train_end=run.on_train_end,
+                     dry_run_estimate=lambda args, context:
+                     dry_run.estimate(run.config, plans, args, context))

@@ -1,0 +1,82 @@
+"""GNMR's flags: ``--gnmr`` and one ``--gnmr-*`` flag per :class:`GnmrConfig` field.
+
+The ``--gnmr-*`` flags are absent from the parsed namespace unless given
+(``argparse.SUPPRESS``), so :func:`config_from_args` can refuse one given without
+``--gnmr`` (it would silently do nothing); the defaults themselves are :class:`GnmrConfig`'s,
+quoted in the help. Every bad value is a one-line ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_ext.errors import UsageError
+from megatron_ext.methods.gnmr.controller import COMPARES, HIGH_CHOICES, GnmrConfig, \
+    parse_max_promoted
+from megatron_ext.methods.gnmr.units import GRANULARITIES
+
+DEFAULTS = GnmrConfig()
+"""The settings a flag left out takes."""
+
+
+def _flag(field: str) -> str:
+    return "--gnmr-" + field.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("GNMR: promote units whose gradient norm jumps "
+                                  "(--gnmr, docs/gnmr.md)", argument_default=argparse.SUPPRESS)
+    g.add_argument("--gnmr", action="store_true", default=False,
+                   help="run GNMR over the precision plan (needs --precision or "
+                        "--precision-plan): after every step, units whose gradient-norm ratio "
+                        "crosses its threshold run the next steps in higher precision")
+    d = DEFAULTS
+    g.add_argument("--gnmr-granularity", choices=GRANULARITIES,
+                   help=f"a unit is a transformer block (its 4 sites) or one site "
+                        f"(default {d.granularity})")
+    g.add_argument("--gnmr-high", choices=HIGH_CHOICES,
+                   help=f"what a promoted site runs in: auto = each operand one class up "
+                        f"(FP4 -> FP8, FP8 -> BF16), fp8 / bf16 = at least that recipe "
+                        f"(default {d.high})")
+    g.add_argument("--gnmr-lock", type=int, metavar="N",
+                   help=f"T_lock: steps a promoted unit stays high (default {d.lock})")
+    g.add_argument("--gnmr-max-promoted", metavar="K",
+                   help=f"maxO: units high at once, a count (4; 0 = trace only) or a fraction "
+                        f"of the units (0.25); the riskiest win (default {d.max_promoted})")
+    for name, metric, var in (("alpha", "GNMR", "A"), ("beta", "Δ-GNMR", "B")):
+        for suffix, stage in (("_init", "during"), ("", "after")):
+            g.add_argument(_flag(name + suffix), type=float, metavar=var,
+                           help=f"{metric} threshold {stage} the warm-up stage "
+                                f"(default {getattr(d, name + suffix)})")
+    g.add_argument("--gnmr-warmup-frac", type=float, metavar="F",
+                   help=f"fraction of --train-iters that uses the -init thresholds "
+                        f"(default {d.warmup_frac})")
+    g.add_argument("--gnmr-delta", type=int, metavar="D",
+                   help=f"δ: the window (steps) Δ-GNMR compares with (default {d.delta})")
+    g.add_argument("--gnmr-compare", choices=COMPARES,
+                   help=f"trigger on metric > threshold (ratio) or metric - 1 > threshold "
+                        f"(excess) (default {d.compare})")
+
+
+def config_from_args(args: argparse.Namespace) -> GnmrConfig | None:
+    """The run's settings, None without ``--gnmr``; ``UsageError`` (one line) for a bad flag,
+    a ``--gnmr-*`` flag without ``--gnmr``, or ``--gnmr`` without a precision plan."""
+    given = {f.name: getattr(args, "gnmr_" + f.name) for f in dataclasses.fields(GnmrConfig)
+             if hasattr(args, "gnmr_" + f.name)}
+    if not args.gnmr:
+        if given:
+            raise UsageError(f"{_flag(next(iter(given)))} needs --gnmr")
+        return None
+    if not (args.precision or args.precision_plan):
+        raise UsageError("--gnmr promotes sites of a precision plan: give --precision or "
+                         "--precision-plan")
+    if args.use_torch_fsdp2 or args.use_megatron_fsdp:
+        raise UsageError("--gnmr reads megatron DDP's gradient buffers: it does not run with "
+                         "--use-torch-fsdp2 / --use-megatron-fsdp")
+    try:
+        if "max_promoted" in given:
+            given["max_promoted"] = parse_max_promoted(given["max_promoted"])
+        return GnmrConfig(**given)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None

@@ -1,0 +1,25 @@
+"""A training run's outputs, checked before any work starts.
+
+``--save /unwritable`` used to be discovered at the final save, after the whole run; a
+``--run-dir`` under a file at the first metrics line. :func:`check_run_outputs` probes every
+folder the run will write into (creating none of them: a bad path leaves nothing behind) and
+stops with one line naming the flag. Who writes what decides who checks it: rank 0 writes the
+run folder and TensorBoard, every rank writes its shards of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_ext.io import check_output
+
+
+def check_run_outputs(args: argparse.Namespace, rank: int) -> None:
+    """``UsageError`` (one line) if ``--run-dir``, ``--tensorboard-dir`` (rank 0) or
+    ``--save`` (every rank) cannot be written. Not collective."""
+    if rank == 0:
+        check_output(args.run_dir, "--run-dir")
+        if args.tensorboard_dir:
+            check_output(args.tensorboard_dir, "--tensorboard-dir")
+    if args.save:
+        check_output(args.save, "--save")

@@ -1,0 +1,125 @@
+"""A lost or stalled peer ends the job with one line naming it, not two tracebacks.
+
+When one rank of a job dies (``kill -9``, the OOM killer, a crash), the others learn it from
+their next collective: gloo raises ``Connection closed by peer [127.0.0.1]:19863`` -- an
+address, not a rank -- and every survivor prints a 40-line traceback before the launcher
+tears the job down. A stalled rank (a hung file system, a stopped process) is worse: the
+others wait in the collective until ``--distributed-timeout-minutes`` (Megatron-LM's flag,
+default 10) and then raise ``Timed out``.
+
+:func:`record_peers` all-gathers every rank's host and pid once, right after the process
+group is up. :func:`peer_loss_reported` wraps a run: a communication error becomes one
+``error:`` line that names the ranks on this host whose process is gone (or stopped), printed
+by the lowest surviving rank, and exit status 2. Ranks on other hosts cannot be inspected
+from here; the launcher's own report names them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+_CONNECTION_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|"
+                              r"[Tt]imeout|NCCL communicator was aborted|remote process exit")
+"""What gloo and NCCL say when a peer is gone or silent."""
+
+
+class _Peers:
+    """Where every rank runs, recorded at start-up."""
+
+    def __init__(self):
+        self.table: list[tuple[str, int]] = []
+        """(hostname, pid) of each rank."""
+        self.timeout_minutes: float | None = None
+        """The process group's timeout."""
+
+
+_PEERS = _Peers()
+
+
+def record_peers(timeout_minutes: float) -> None:
+    """All-gather (hostname, pid) of every rank. Collective; call it once after init."""
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
+    _PEERS.table, _PEERS.timeout_minutes = table, timeout_minutes
+
+
+def _state(pid: int) -> str:
+    """The process' state letter from /proc (``""`` if gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "" if not _exists(pid) else "?"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lost_ranks() -> tuple[list[int], list[int]]:
+    """(ranks on this host whose process is gone, ranks on this host that are stopped)."""
+    host = socket.gethostname()
+    gone, stopped = [], []
+    for rank, (peer_host, pid) in enumerate(_PEERS.table):
+        if peer_host != host or pid == os.getpid():
+            continue
+        state = _state(pid)
+        if state in ("", "Z", "X"):
+            gone.append(rank)
+        elif state in ("T", "t"):
+            stopped.append(rank)
+    return gone, stopped
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def describe(exc: BaseException) -> str:
+    """The one line for a communication error ``exc``."""
+    gone, stopped = lost_ranks()
+    timed_out = re.search(r"[Tt]imed out|[Tt]imeout", str(exc)) is not None
+    if gone:
+        what = f"lost {_ranks(gone)} (its process ended)"
+    elif stopped:
+        what = f"{_ranks(stopped)} stopped (its process is suspended)"
+    else:
+        what = "lost a peer on another host" if not timed_out else "a peer stopped answering"
+    if timed_out:
+        what += f": no answer within --distributed-timeout-minutes {_PEERS.timeout_minutes:g}"
+    return f"{what}; stopping this rank (resume from the last checkpoint with --load)"
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    return bool(_PEERS.table) and isinstance(exc, RuntimeError) \
+        and _CONNECTION_LOST.search(str(exc)) is not None
+
+
+@contextmanager
+def peer_loss_reported():
+    """Turn a lost or stalled peer inside the block into one ``error:`` line (from the lowest
+    surviving rank) and exit status 2 at once: the process group is broken, nothing after
+    this point (checkpoint writes, process-group teardown) could complete."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 -- filtered right below
+        if not _is_peer_loss(exc):
+            raise
+        gone = set(lost_ranks()[0])
+        me = dist.get_rank()
+        if me == min(set(range(len(_PEERS.table))) - gone):
+            print(f"error: {describe(exc)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)

@@ -1,0 +1,25 @@
+"""What a new user sees: no import warnings about GPU libraries (in the trainer or the
+checkpoint writer's helper process), and the start-up line in plain English."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pretrain_runner import FAST_ARGS, REPO
+
+
+@pytest.mark.parametrize("global_batch, phrase", [("2", "| 1 micro-batch/step |"),
+                                                   ("8", "| 4 micro-batches/step |")])
+def test_start_up_line_and_no_gpu_library_warnings(tmp_path, global_batch, phrase):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "pretrain_llama.py"), *FAST_ARGS, "--train-iters", "2",
+         "--global-batch-size", global_batch, "--run-dir", str(tmp_path / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+        env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved checkpoint" in proc.stdout  # the writer's helper process ran too
+    assert phrase in proc.stdout
+    assert "Transformer Engine and Apex" not in proc.stderr + proc.stdout
