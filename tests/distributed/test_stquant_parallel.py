@@ -1,7 +1,7 @@
 """--optimizer stquant-adamw under megatron's layouts: DP=2 without and TP=2 x DP=2 with the
 distributed optimizer assign the same widths as one process at every update and train the same
 losses (to a tolerance: see below); each resumes bit for bit from its codes + scales
-checkpoint; a checkpoint is refused, in one line, under another layout."""
+checkpoint (BF16 weights too); a checkpoint is refused, in one line, under another layout."""
 
 import json
 
@@ -76,3 +76,14 @@ def test_another_layout_is_refused_in_one_line(runs):
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --load: cannot read checkpoint") and "optimizer.stquant" in last
+
+
+def test_bf16_distributed_optimizer_resumes_bit_exact(tmp_path):
+    # BF16 weights: the FP32 main copies are saved beside the codes and restored too
+    flags = [*FAST_ARGS, *STQUANT, "--bf16", "--use-distributed-optimizer"]
+    launch([*flags, "--save-interval", "3", "--run-dir", str(tmp_path / "full"), "--save",
+            str(tmp_path / "ckpt")], nproc=2)
+    launch([*flags, "--no-save", "--run-dir", str(tmp_path / "resumed"), "--load",
+            str(tmp_path / "ckpt" / "iter_0000003")], nproc=2)
+    full = train_losses(tmp_path / "full")
+    assert train_losses(tmp_path / "resumed") == {s: full[s] for s in (4, 5, 6)}
