@@ -3,6 +3,7 @@ same tiny training run under FP32 AdamW, STQuant and torchao's 8- / 4-bit AdamW.
 
     python benchmarks/optimizer_memory.py                       # 400 steps, every optimizer
     python benchmarks/optimizer_memory.py --steps 100 --optimizers adamw stquant
+    python benchmarks/optimizer_memory.py --seeds 1234 1235 1236 --json r.json   # gaps per seed
 
 Each optimizer is one real run of pretrain_llama.py (the tiny Llama on the embedded corpus,
 same seed and data), in a worker process of this script that adds a measuring extension:
@@ -128,44 +129,67 @@ def worker(name: str, argv: list[str]) -> int:
     return main("llama", extensions=default_extensions(measuring_extension(name)))
 
 
-def run_one(name: str, args, work: Path) -> dict:
-    run_dir = work / name
+def run_one(name: str, seed: int, args, work: Path) -> dict:
+    run_dir = work / f"{name}-seed{seed}"
     if run_dir.exists():
         raise UsageError(f"{run_dir} exists (its metrics would be appended to): use an empty "
                          "--keep directory")
     train = ["--train-iters", str(args.steps), "--eval-interval", str(args.steps),
              "--eval-iters", str(args.eval_iters), "--log-interval", "1", "--no-save",
-             "--seed", str(args.seed), "--run-dir", str(run_dir), *OPTIMIZERS[name]]
+             "--seed", str(seed), "--run-dir", str(run_dir), *OPTIMIZERS[name]]
     proc = subprocess.run([sys.executable, __file__, "--worker", name, "--", *train],
                           cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise UsageError(f"the {name} run failed: {proc.stderr.strip().splitlines()[-1:]}")
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl", encoding="utf-8")]
     steps = [r for r in records if "loss" in r]
-    timed = [r["bench_opt_step_s"] for r in steps if r["step"] > args.warmup]
-    result = {"optimizer": name, "state_bytes_per_param": steps[-1]["bench_state_bytes_per_param"],
+    timed = [r for r in steps if r["step"] > args.warmup]
+    result = {"optimizer": name, "seed": seed,
+              "state_bytes_per_param": steps[-1]["bench_state_bytes_per_param"],
               "final_val_loss": [r for r in records if "val_loss" in r][-1]["val_loss"],
               "final_train_loss": steps[-1]["loss"],
-              "opt_step_ms": 1e3 * statistics.median(timed),
-              "train_step_ms": 1e3 * statistics.median(r["step_time_s"] for r in steps
-                                                       if r["step"] > args.warmup)}
+              "opt_step_ms": 1e3 * statistics.median(r["bench_opt_step_s"] for r in timed),
+              "train_step_ms": 1e3 * statistics.median(r["step_time_s"] for r in timed)}
     if "stquant_avg_bits" in steps[-1]:
         result["avg_bits"] = steps[-1]["stquant_avg_bits"]
     return result
 
 
 def report(results: list[dict]) -> str:
-    base = next((r for r in results if r["optimizer"] == "adamw"), None)
-    lines = ["| optimizer | state bytes / param | avg bits | final val loss | vs AdamW | "
-             "opt step ms | train step ms |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in results:
-        gap = (f"{100 * (r['final_val_loss'] / base['final_val_loss'] - 1):+.2f} %"
-               if base else "")
-        bits = f"{r['avg_bits']:.2f}" if "avg_bits" in r else ""
-        lines.append(f"| {r['optimizer']} | {r['state_bytes_per_param']:.3f} | {bits} | "
-                     f"{r['final_val_loss']:.4f} | {gap} | {r['opt_step_ms']:.1f} | "
-                     f"{r['train_step_ms']:.1f} |")
+    """A Markdown table: per optimizer the means over seeds, the validation-loss gap to FP32
+    AdamW of the same seed (mean, and the range over seeds), the median step times."""
+    base = {r["seed"]: r["final_val_loss"] for r in results if r["optimizer"] == "adamw"}
+    names = list(dict.fromkeys(r["optimizer"] for r in results))
+    lines = ["| optimizer | state bytes / param | avg bits | final val loss | vs AdamW (range) "
+             "| opt step ms | train step ms |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        rows = [r for r in results if r["optimizer"] == name]
+        gaps = [100 * (r["final_val_loss"] / base[r["seed"]] - 1) for r in rows
+                if r["seed"] in base]
+        gap = (f"{statistics.mean(gaps):+.2f} % ({min(gaps):+.2f} .. {max(gaps):+.2f})"
+               if len(gaps) > 1 else f"{gaps[0]:+.2f} %" if gaps else "")
+        bits = [r["avg_bits"] for r in rows if "avg_bits" in r]
+        lines.append(
+            f"| {name} | {statistics.mean(r['state_bytes_per_param'] for r in rows):.3f} | "
+            f"{f'{statistics.mean(bits):.2f}' if bits else ''} | "
+            f"{statistics.mean(r['final_val_loss'] for r in rows):.4f} | {gap} | "
+            f"{statistics.median(r['opt_step_ms'] for r in rows):.1f} | "
+            f"{statistics.median(r['train_step_ms'] for r in rows):.1f} |")
     return "\n".join(lines)
+
+
+def _load_results(paths: list[str]) -> list[dict]:
+    results = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                results.extend(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--report: cannot read '{path}': {exc}") from None
+    if any(not isinstance(r, dict) or not {"optimizer", "seed", "final_val_loss"} <= set(r)
+           for r in results):
+        raise UsageError("--report: the files are not this script's --json results")
+    return results
 
 
 def run(argv: list[str]) -> None:
@@ -176,19 +200,27 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--eval-iters", type=int, default=20,
                         help="validation batches for the final validation loss")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timings")
-    parser.add_argument("--seed", type=int, default=1234, help="the runs' --seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234],
+                        help="the runs' --seed; every optimizer runs once per seed")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep the run directories (metrics, STQuant's widths) under DIR")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="run nothing: print the table of earlier --json files together")
     args = parser.parse_args(argv)
+    if args.report:
+        print(report(_load_results(args.report)))
+        return
     if args.steps <= args.warmup or args.eval_iters < 1:
         raise UsageError("need --steps > --warmup and --eval-iters >= 1")
     with tempfile.TemporaryDirectory() as temporary:
         work = Path(args.keep or temporary)
         results = []
-        for name in args.optimizers:
-            print(f"running {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)
-            results.append(run_one(name, args, work))
+        for seed in args.seeds:
+            for name in args.optimizers:
+                print(f"running {name}, seed {seed} ({args.steps} steps) ...", file=sys.stderr,
+                      flush=True)
+                results.append(run_one(name, seed, args, work))
     print(report(results))
     if args.json:
         write_text_atomic(args.json, json.dumps(results, indent=2) + "\n")
