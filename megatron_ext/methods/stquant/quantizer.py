@@ -11,10 +11,14 @@ DP = 2 or odd DP with ``B = 64``: megatron starts parameters on multiples of 64 
 buckets to ``lcm(DP, 128)``) every layout quantizes exactly the same blocks.
 
 **Linear, for m** (signed, symmetric, ``b`` bits): ``Q = 2**(b-1) - 1``, per block
-``s = amax / Q`` and ``q = round(m / s)`` in ``[-Q, Q]`` (nearest, ties to even), stored as
-the unsigned code ``q + 2**(b-1)``; ``m̂ = q s``. Error bound per element:
-``|m - m̂| <= s / 2 = amax / (2Q)`` (1/14 of the block's largest magnitude at 4 bits,
-1/254 at 8, 1/65534 at 16). Zero is a code, so ``m = 0`` comes back exactly 0.
+``s = amax / Q`` and ``q = round(m / s)`` in ``[-Q, Q]`` (nearest, ties to even);
+``m̂ = q s``. At 4 and 8 bits this is the formats package's real quantized tensor of
+``int4@row`` / ``int8@row`` over the ``(blocks, B)`` view (sign-magnitude codes, 4-bit ones
+two per byte; ``s`` with its low significand bits cleared so that ``Q s`` is exact, which
+makes requantizing idempotent); at 16 bits, which formats has no element for, the same rule
+with ``int16`` codes. Error bound per element: ``|m - m̂| <= s / 2 = amax / (2Q)`` (1/14 of
+the block's largest magnitude at 4 bits, 1/254 at 8, 1/65534 at 16). Zero is a code, so
+``m = 0`` comes back exactly 0.
 
 **Logarithmic, for v** (``v >= 0``, ``b`` bits): ``K = 2**b - 1``, per block ``vmax``; code
 ``0`` is exactly zero, and codes ``k = 1..K`` are ``v̂ = vmax * 2**((k - K) δ)``, a geometric
@@ -25,7 +29,9 @@ rung ``vmax * 2**((1 - K) δ)`` is rounded *up* to it — never down to zero, so
 ``m / (sqrt(v̂) + eps)`` can only shrink, never blow up, from a too-small ``v``. ``v = 0``
 (a coordinate that never saw a gradient) stays exactly 0, so with ``m = 0`` it never moves.
 The squared gradients' dynamic range is why ``v`` is logarithmic: a linear 4-bit ``v`` would
-send every element below ``vmax / 30`` to zero.
+send every element below ``vmax / 30`` to zero. The codes ``k`` are stored as unsigned
+integers: two per byte at 4 bits (the formats package's nibble packing, low nibble first),
+``uint8`` at 8, ``int16`` holding ``k - 2**15`` at 16.
 
 **32 bits** keeps the float32 tensor itself (no codes, no scales).
 
@@ -42,7 +48,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.methods.stquant.packing import pack, unpack
+from megatron_ext.formats import QuantizedTensor
+from megatron_ext.formats import dequantize as formats_dequantize
+from megatron_ext.formats import quantize as formats_quantize
+from megatron_ext.formats.codes import pack_nibbles, unpack_nibbles
 
 BITS = (4, 8, 16, 32)
 """The widths a layer's state can have (the paper's ``B``)."""
@@ -71,9 +80,10 @@ class QState:
     block: int
     """Block size ``B``."""
     codes: torch.Tensor
-    """Packed codes (:mod:`.packing`) of all blocks touched, or the float32 values at 32 bits."""
+    """Codes of all blocks touched, ``(blocks, B)`` or ``(blocks, B / 2)`` at 4 bits (module
+    docstring); the flat float32 values at 32 bits."""
     scales: torch.Tensor | None
-    """float32 per block: ``amax / Q`` (linear) or ``vmax`` (log); None at 32 bits."""
+    """float32 ``(blocks, 1)``: ``s`` (linear) or ``vmax`` (log); None at 32 bits."""
 
     def nbytes(self) -> int:
         """Bytes of storage: codes plus scales."""
@@ -98,21 +108,49 @@ def _blocks(x: torch.Tensor, block: int, lead: int) -> torch.Tensor:
     return padded.view(nblocks, block)
 
 
-def _linear_codes(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    top = 2 ** (bits - 1) - 1
-    scales = blocks.abs().amax(dim=1) / top
+def _int_format(bits: int) -> str:
+    return f"int{bits}@row"
+
+
+def _linear(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if bits != 16:
+        qt = formats_quantize(blocks, _int_format(bits))
+        return qt.codes, qt.scales
+    top = 2 ** 15 - 1
+    scales = blocks.abs().amax(dim=1, keepdim=True) / top
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[:, None]).clamp_(-top, top)
-    return (q.to(torch.int32) + 2 ** (bits - 1)).view(-1), scales
+    return torch.round(blocks / safe).clamp_(-top, top).to(torch.int16), scales
 
 
-def _log_codes(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_values(q: QState) -> torch.Tensor:
+    if q.bits == 16:
+        return q.codes.float() * q.scales
+    shape = (q.scales.shape[0], q.block)
+    return formats_dequantize(QuantizedTensor(codes=q.codes, scales=q.scales,
+                                              fmt=_int_format(q.bits), shape=shape,
+                                              dtype=torch.float32, axis=1))
+
+
+def _log(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     top, step = 2 ** bits - 1, LOG_STEP[bits]
-    vmax = blocks.amax(dim=1)
+    vmax = blocks.amax(dim=1, keepdim=True)
     safe = torch.where(vmax > 0, vmax, torch.ones_like(vmax))
-    octaves = torch.log2((blocks / safe[:, None]).clamp_(min=torch.finfo(torch.float32).tiny))
+    octaves = torch.log2((blocks / safe).clamp_(min=torch.finfo(torch.float32).tiny))
     k = torch.round(top + octaves / step).clamp_(1, top)
-    return torch.where(blocks > 0, k, torch.zeros_like(k)).to(torch.int32).view(-1), vmax
+    k = torch.where(blocks > 0, k, torch.zeros_like(k)).to(torch.int32)
+    if bits == 16:
+        return (k - 2 ** 15).to(torch.int16), vmax
+    return (pack_nibbles(k.to(torch.uint8)) if bits == 4 else k.to(torch.uint8)), vmax
+
+
+def _log_values(q: QState) -> torch.Tensor:
+    if q.bits == 16:
+        k = q.codes.to(torch.int32) + 2 ** 15
+    else:
+        k = (unpack_nibbles(q.codes, q.block) if q.bits == 4 else q.codes).to(torch.int32)
+    top = 2 ** q.bits - 1
+    ladder = q.scales * torch.exp2((k - top).float() * LOG_STEP[q.bits])
+    return torch.where(k > 0, ladder, torch.zeros_like(ladder))
 
 
 @torch.no_grad()
@@ -127,9 +165,8 @@ def quantize(x: torch.Tensor, mode: str, bits: int, block: int, lead: int = 0) -
     x = x.reshape(-1)
     if bits == 32:
         return QState(mode, 32, x.numel(), lead, block, x.float().clone(), None)
-    blocks = _blocks(x, block, lead)
-    codes, scales = (_linear_codes if mode == "linear" else _log_codes)(blocks, bits)
-    return QState(mode, bits, x.numel(), lead, block, pack(codes, bits), scales)
+    codes, scales = (_linear if mode == "linear" else _log)(_blocks(x, block, lead), bits)
+    return QState(mode, bits, x.numel(), lead, block, codes, scales)
 
 
 @torch.no_grad()
@@ -137,11 +174,5 @@ def dequantize(q: QState) -> torch.Tensor:
     """The float32 values ``q`` stands for (a new 1-D tensor of ``q.numel`` elements)."""
     if q.bits == 32:
         return q.codes.clone()
-    codes = unpack(q.codes, q.bits).view(-1, q.block)
-    if q.mode == "linear":
-        values = (codes - 2 ** (q.bits - 1)).float() * q.scales[:, None]
-    else:
-        top = 2 ** q.bits - 1
-        ladder = q.scales[:, None] * torch.exp2((codes - top).float() * LOG_STEP[q.bits])
-        values = torch.where(codes > 0, ladder, torch.zeros_like(ladder))
-    return values.view(-1)[q.lead:q.lead + q.numel].clone()
+    values = _linear_values(q) if q.mode == "linear" else _log_values(q)
+    return values.reshape(-1)[q.lead:q.lead + q.numel].clone()

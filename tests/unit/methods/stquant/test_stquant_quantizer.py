@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from megatron_ext.methods.stquant.packing import pack, unpack
 from megatron_ext.methods.stquant.quantizer import LOG_STEP, QState, dequantize, quantize
 
 BLOCK = 64
@@ -74,14 +73,25 @@ def test_extremes_stay_finite(mode, bits):
         assert (got[x > 0] > 0).all()
 
 
+@pytest.mark.parametrize("mode", ["linear", "log"])
 @pytest.mark.parametrize("bits", [4, 8, 16])
-def test_packing_round_trip_and_exact_size(bits):
-    codes = torch.randint(0, 2 ** bits, (1000,), dtype=torch.int32)
-    stored = pack(codes, bits)
-    assert stored.numel() * stored.element_size() == 1000 * bits // 8
-    assert torch.equal(unpack(stored, bits), codes)
-    if bits == 4:  # element 2i in the low nibble
-        assert stored[0].item() == codes[0].item() | (codes[1].item() << 4)
+def test_packed_storage_is_exactly_b_bits_per_element_and_round_trips(mode, bits):
+    x = heavy_tailed(64 * 16, seed=bits).abs()
+    q = quantize(x, mode, bits, BLOCK)
+    assert q.codes.numel() * q.codes.element_size() == x.numel() * bits // 8
+    assert q.scales.dtype == torch.float32 and q.scales.numel() == 16
+    saved = QState.from_dict({k: v.clone() if torch.is_tensor(v) else v
+                              for k, v in q.to_dict().items()})
+    assert torch.equal(dequantize(saved), dequantize(q))
+
+
+def test_four_bit_log_codes_two_per_byte_low_nibble_first():
+    v = torch.tensor([1.0, 0.25, 0.0, 2.0 ** -20] + [0.5] * 60)
+    q = quantize(v, "log", 4, BLOCK)
+    # by hand, vmax = 1, δ = 1: k = 15 + log2(v), clamped to [1, 15]; 0 for v = 0
+    k = [15, 13, 0, 1]
+    assert q.codes[0, 0].item() == k[0] | (k[1] << 4)
+    assert q.codes[0, 1].item() == k[2] | (k[3] << 4)
 
 
 def test_state_bytes_are_codes_plus_float32_scales():
