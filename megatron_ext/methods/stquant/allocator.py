@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import unwrap_model
 
+from megatron_ext.errors import UsageError
 from megatron_ext.methods.stquant.score import ScoreEngine
 from megatron_ext.training.distributed import device, gather_objects
 from megatron_ext.training.optimizer import MainParam, main_params
@@ -104,11 +105,13 @@ class Allocator:
     def __init__(self, entries: list[ParamEntry], layers: list[str],
                  engine: ScoreEngine | None, fixed_bits: int | None = None):
         self.entries = entries
+        """This rank's parameters (:func:`param_entries`)."""
         self.layers = layers
         """Layer names; ``widths()[i]`` is the width of ``layers[i]``."""
         self.engine = engine
         """The score engine, or None for a fixed width (``fixed_bits``)."""
         self.fixed = [fixed_bits] * len(layers) if engine is None else None
+        """The widths without an engine."""
         self.step = 0
         """Optimizer steps taken (``t`` of Algorithm 1)."""
         self.updated_at = 0
@@ -161,7 +164,8 @@ class Allocator:
 
     def load_state_dict(self, state: dict) -> None:
         if state["layers"] != self.layers:
-            raise ValueError("the checkpoint's STQuant layers differ from this model's")
+            raise UsageError("--load: the checkpoint's STQuant layers differ from this run's "
+                             "(another model or --stquant-min-numel)")
         self.step, self.updated_at = state["step"], state["updated_at"]
         if self.engine is not None and state["engine"] is not None:
             self.engine.load_state_dict(state["engine"])

@@ -113,6 +113,14 @@ def test_another_layout_is_refused(run):
         run.optimizer.load_state_dict(other)
 
 
+def test_other_layers_are_refused(run):
+    sharded = run.optimizer.sharded_state_dict({})["stquant"]
+    allocator = {**sharded["allocator"], "layers": sharded["allocator"]["layers"][1:]}
+    other = {"stquant": {**sharded, "shards": sharded["shards"].data, "allocator": allocator}}
+    with pytest.raises(UsageError, match="STQuant layers differ"):
+        run.optimizer.load_state_dict(other)
+
+
 def _deep_clone(value):
     if torch.is_tensor(value):
         return value.clone()
