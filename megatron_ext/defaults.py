@@ -17,12 +17,13 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     """Faults, every method, then the ``extra`` ones, then the precision platform. Methods
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
     platform (``extra`` too: a method kept outside the package, a test's)."""
+    from megatron_ext.methods.pgq.extension import pgq_extension
     from megatron_ext.methods.snip.extension import snip_extension
     from megatron_ext.precision.controller import PlanController
     from megatron_ext.precision.extension import PrecisionRun, precision_extension
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, *extra]
+    methods = [snip_extension, pgq_extension, *extra]
     return [FaultHandler().extension(), *(make(controller) for make in methods),
             precision_extension(PrecisionRun(controller))]
