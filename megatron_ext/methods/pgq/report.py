@@ -36,7 +36,11 @@ def summary(recipe: Recipe) -> str:
     """One line: what was quantized, at what FLOP share and estimated GEMM time."""
     rows = [d for d in recipe.decisions if d.linear]
     roof = "no roofline" if recipe.device is None else f"ridge {recipe.device.ridge:.0f} FLOP/B"
-    return (f"{recipe.plan.method} ({_condition(recipe)}; {roof}): "
+    budget = recipe.config.budget
+    short = budget is not None and recipe.config.mode == "recipe" \
+        and recipe.fraction < budget - 1e-9
+    reach = f" [budget {budget:g} out of reach: every compute-bound GEMM]" if short else ""
+    return (f"{recipe.plan.method} ({_condition(recipe)}; {roof}){reach}: "
             f"{sum(d.quantized for d in rows)} of {len(rows)} linear GEMMs quantized "
             f"({sum(d.eligible for d in rows)} compute-bound), "
             f"{100 * recipe.fraction:.1f}% of linear FLOPs, "
