@@ -18,12 +18,14 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
     platform (``extra`` too: a method kept outside the package, a test's)."""
     from megatron_ext.methods.gnmr.extension import gnmr_extension
+    from megatron_ext.methods.pgq.extension import pgq_extension
     from megatron_ext.methods.snip.extension import snip_extension
     from megatron_ext.precision.controller import PlanController
     from megatron_ext.precision.extension import PrecisionRun, precision_extension
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, gnmr_extension, *extra]  # GNMR after SNIP: it lifts SNIP's base
+    methods = [snip_extension, pgq_extension, gnmr_extension, *extra]  # GNMR last: it lifts
+    # the base plan the other methods made
     return [FaultHandler().extension(), *(make(controller) for make in methods),
             precision_extension(PrecisionRun(controller))]
