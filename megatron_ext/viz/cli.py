@@ -112,6 +112,7 @@ def _add_gnmr(sub) -> None:
                                 "thresholds, and the promotion raster (GNMR paper Fig. 2-3)")
     p.add_argument("trace", metavar="RUN_DIR_OR_TRACE",
                    help="a --gnmr run directory (its gnmr/trace.jsonl) or a trace file")
+    _common(p)
 
 
 def _add_pgq(sub) -> None:
