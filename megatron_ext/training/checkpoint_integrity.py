@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
+from megatron_ext.training.distributed import gather_objects
 
 MANIFEST = "checksums.json"
 _CHUNK = 1 << 22
@@ -44,15 +45,6 @@ def _world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _gather(obj) -> list:
-    """``obj`` from every rank (just ``[obj]`` without torch.distributed)."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def sha256_file(path: str) -> str:
@@ -80,7 +72,7 @@ def write_manifest(ckpt_dir: str) -> None:
     rank, world = _world()
     files = checkpoint_files(ckpt_dir)
     mine = {rel: sha256_file(os.path.join(ckpt_dir, rel)) for rel in files[rank::world]}
-    merged = {rel: h for part in _gather(mine) for rel, h in part.items()}
+    merged = {rel: h for part in gather_objects(mine) for rel, h in part.items()}
     if rank == 0:
         manifest = {"version": 1, "algorithm": "sha256", "files": dict(sorted(merged.items()))}
         with open(os.path.join(ckpt_dir, MANIFEST), "w", encoding="utf-8") as f:
@@ -125,7 +117,7 @@ def verify_manifest(ckpt_dir: str) -> bool:
     expected = _read_manifest(ckpt_dir)
     if expected is None:
         return False
-    problems = [p for p in _gather(_first_bad_file(ckpt_dir, expected)) if p]
+    problems = [p for p in gather_objects(_first_bad_file(ckpt_dir, expected)) if p]
     if problems:
         raise UsageError(problems[0])
     return True

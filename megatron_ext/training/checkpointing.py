@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
 from megatron_ext.errors import UsageError
@@ -162,9 +163,9 @@ class Checkpointer:
             loaded = dist_checkpointing.load(request, path)
         except UsageError:
             raise
-        except Exception as exc:  # corrupt or incompatible files: one line, not a traceback
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UsageError(f"--load: cannot read checkpoint '{path}': {first}") from exc
+        except (Exception, CheckpointException) as exc:  # corrupt or incompatible: one line
+            raise UsageError(f"--load: cannot read checkpoint '{path}': {_first_line(exc)}") \
+                from exc
         for i, module in enumerate(self.modules):
             module.load_state_dict(local_shards_as_dtensors(module, loaded["model"][f"chunk{i}"]))
         if weights_only:
@@ -179,6 +180,18 @@ class Checkpointer:
             if name in common.get("extra", {}):
                 provider.load_state_dict(common["extra"][name])
         return TrainState(common["iteration"], common["consumed_samples"])
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of what went wrong (inside torch's ``CheckpointException``, a
+    ``BaseException`` wrapping each failed rank's exception), at most 200 characters."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= 200 else line[:200] + "..."
 
 
 def _check_model_shapes(model_sd: dict, path: str) -> None:

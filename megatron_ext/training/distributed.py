@@ -147,3 +147,12 @@ def device() -> torch.device:
     """This rank's compute device: its CUDA device on a GPU node, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
+
+
+def gather_objects(obj) -> list:
+    """``obj`` from every rank, in rank order (just ``[obj]`` without torch.distributed)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,9 +1,14 @@
 """DDP wrapping (FSDP: ``fsdp.py``), the megatron-core optimizer (AdamW, optionally
-distributed) and LR schedule."""
+distributed) and LR schedule, and how to find the parameters a megatron optimizer updates
+(:func:`main_params`)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -73,3 +78,54 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
+
+
+@dataclass(frozen=True)
+class MainParam:
+    """One parameter a megatron optimizer updates on this rank."""
+
+    sub: object
+    """The megatron optimizer holding it (one of a ``ChainedOptimizer``'s); its ``optimizer``
+    attribute is the inner torch optimizer whose ``state`` is keyed by ``main``."""
+    model: torch.Tensor
+    """The model's parameter."""
+    main: torch.Tensor
+    """What the inner optimizer updates: the parameter itself (FP32), its FP32 copy (BF16
+    params), or with the distributed optimizer this rank's flat slice of either."""
+    start: int
+    """Offset of ``main``'s first element in the flattened ``model`` parameter."""
+    distributed: bool
+    """Whether ``main`` is a distributed-optimizer shard (other DP ranks hold the rest)."""
+
+
+def main_params(optimizer) -> Iterator[MainParam]:
+    """Every parameter with optimizer state on this rank, for the three megatron optimizers
+    (FP32, Float16 with FP32 main copies, distributed), chained or not."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(sub, "optimizer", None) is None:  # a stub: no parameters on this rank
+            continue
+        if hasattr(sub, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+            pairs = [(sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
+                     (sub.model_fp32_groups, sub.shard_fp32_groups)]
+        elif hasattr(sub, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+            pairs = [(sub.float16_groups, sub.fp32_from_float16_groups),
+                     (sub.fp32_from_fp32_groups, sub.fp32_from_fp32_groups)]
+        else:  # FP32Optimizer: the model params are the main params
+            groups = [g["params"] for g in sub.optimizer.param_groups]
+            pairs = [(groups, groups)]
+        distributed = hasattr(sub, "shard_fp32_from_float16_groups")
+        for model_groups, main_groups in pairs:
+            for model_group, main_group in zip(model_groups, main_groups):
+                for model, main in zip(model_group, main_group):
+                    start = (sub._get_model_param_range_map(model)["param"].start
+                             if distributed else 0)
+                    yield MainParam(sub, model, main, start, distributed)
+
+
+def adam_moments(inner, main: torch.Tensor) -> dict | None:
+    """AdamW's state of ``main`` in the inner torch optimizer ``inner``: ``exp_avg``,
+    ``exp_avg_sq`` (float, shaped like ``main``) and ``step``; None before the first step.
+    An inner optimizer that stores its moments in another form (STQuant's quantized AdamW)
+    answers through its ``dequantized_state(main)``."""
+    reader = getattr(inner, "dequantized_state", None)
+    return reader(main) if reader is not None else inner.state.get(main)

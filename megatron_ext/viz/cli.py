@@ -8,6 +8,7 @@
     plot_precision.py divergence DIVERGENCE.json --out div.png [--option NAME] [--metric dL]
     plot_precision.py loss RUN_DIR... --out loss.png [--labels a,b] [--smooth N]
                       [--from-step STEP]
+    plot_precision.py stquant RUN_DIR --out widths.png
     plot_precision.py gnmr RUN_DIR_OR_TRACE --out gnmr.png
     plot_precision.py pgq PROFILE.json --out sqnr.png [--formats int8,fp8]
 
@@ -125,14 +126,24 @@ def _add_pgq(sub) -> None:
     _common(p)
 
 
+def _add_stquant(sub) -> None:
+    p = _subparser(sub, "stquant", "STQuant's optimizer-state width per layer over training "
+                                   "(STQuant paper Fig. 6a)")
+    p.add_argument("widths", metavar="RUN_DIR_OR_FILE",
+                   help="an --optimizer stquant-adamw run directory (its stquant_widths.jsonl) "
+                        "or that file")
+    _common(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="plot_precision.py",
                      description="Plots of precision plans, their refreshes, SNIP divergences, "
-                                 "loss curves and GNMR traces (PNG, no display needed).",
+                                 "loss curves, GNMR traces and STQuant widths (PNG, no display "
+                                 "needed).",
                      epilog="Examples and input formats: docs/plots.md")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_plan, _add_stages, _add_evolution, _add_divergence, _add_loss, _add_gnmr,
-                _add_pgq):
+                _add_pgq, _add_stquant):
         add(sub)
     return parser
 
@@ -223,9 +234,15 @@ def _plot_pgq(args):
     return sqnr_heatmap(profile, formats)
 
 
+def _plot_stquant(args):
+    from megatron_ext.viz import inputs, widths
+
+    return widths.width_history(inputs.load_widths(args.widths))
+
+
 COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolution,
             "divergence": _plot_divergence, "loss": _plot_loss, "gnmr": _plot_gnmr,
-            "pgq": _plot_pgq}
+            "pgq": _plot_pgq, "stquant": _plot_stquant}
 
 
 def _run(argv: list[str]) -> None:

@@ -17,7 +17,11 @@ line turns it into ``error: ...`` and exit status 2. Files written by a run:
        "gnmr": 1.12, "dgnmr": 1.05, "high": true, "lock": 10}, ...}}
 
   (``null`` for a non-finite number; a skipped step has ``"nonfinite": true`` and no
-  thresholds).
+  thresholds);
+* ``RUN/stquant_widths.jsonl`` — every width assignment of ``--optimizer stquant-adamw``
+  (``docs/stquant.md``)::
+
+      {"step": 10, "widths": {"decoder.layers.mlp.linear_fc1.weight[3]": 4, ...}}
 """
 
 from __future__ import annotations
@@ -332,3 +336,43 @@ def load_gnmr_trace(source: str) -> GnmrTrace:
     nonfinite = tuple(t for t in steps if lines[t].get("nonfinite"))
     return GnmrTrace(steps, units, {key: grid(key) for key in TRACE_VALUES}, high,
                      header["alpha"], header["beta"], nonfinite, _run_compare(path))
+
+
+# -------------------------------------------------------------------------- STQuant widths
+
+WIDTHS_FILE = "stquant_widths.jsonl"
+"""Where ``--optimizer stquant-adamw`` writes its width assignments, in the run directory."""
+
+
+@dataclass(frozen=True)
+class WidthHistory:
+    """STQuant's widths per layer at every assignment (a later line of a step wins)."""
+
+    steps: tuple[int, ...]
+    """Steps that assigned widths, ascending."""
+    layers: tuple[str, ...]
+    """Layer names as the run wrote them."""
+    bits: np.ndarray
+    """[layer, assignment] widths."""
+
+
+def load_widths(source: str) -> WidthHistory:
+    """A run directory's ``stquant_widths.jsonl`` (or that file) as a :class:`WidthHistory`."""
+    path = os.path.join(source, WIDTHS_FILE) if os.path.isdir(source) else source
+    lines = {}
+    for record in _records(path):
+        step, widths = record.get("step"), record.get("widths")
+        if isinstance(step, bool) or not isinstance(step, int) or not isinstance(widths, dict) \
+                or not widths or any(b not in (4, 8, 16, 32) for b in widths.values()):
+            raise ValueError(f"'{path}': {str(record)[:60]} is not a width line (need \"step\" "
+                             "and \"widths\": {layer: 4|8|16|32})")
+        lines[step] = widths
+    if not lines:
+        raise ValueError(f"'{path}' has no width lines")
+    steps = tuple(sorted(lines))
+    layers = tuple(lines[steps[0]])
+    if any(set(lines[t]) != set(layers) for t in steps):
+        raise ValueError(f"'{path}': the lines do not name the same layers")
+    bits = np.array([[lines[t][name] for t in steps] for name in layers])
+    return WidthHistory(steps, layers, bits)
+

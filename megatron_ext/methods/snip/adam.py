@@ -12,7 +12,8 @@ so a gradient error ``δg`` moves the weight by ``α c ‖A ⊙ δg‖_F``. The 
 because ``A`` is largest exactly where ``v`` and hence ``g`` and its error are smallest, and
 the isotropic product then overstates some sites by orders of magnitude
 (:mod:`megatron_ext.methods.snip.divergence`). After a normal optimizer step this module reads
-``m_t``, ``v_t`` and ``g`` from megatron's optimizer state and returns ``A²`` shaped like
+``m_t``, ``v_t`` and ``g`` from megatron's optimizer state (dequantized when the optimizer
+stores them quantized, as STQuant does) and returns ``A²`` shaped like
 each site's local weight shard (with the distributed optimizer each DP rank holds a slice:
 the slices are summed over DP), plus ``α``, ``β1``, ``β2``, ``t``, ``ε``.
 """
@@ -23,21 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-
-def _groups(optimizer):
-    """(model params, main params, distributed?) group lists of a megatron optimizer."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
-            pairs = [(opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
-                     (opt.model_fp32_groups, opt.shard_fp32_groups)]
-            yield opt, pairs, True
-        elif hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
-            pairs = [(opt.float16_groups, opt.fp32_from_float16_groups),
-                     (opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups)]
-            yield opt, pairs, False
-        else:  # FP32Optimizer: the model params are the main params
-            groups = [g["params"] for g in opt.optimizer.param_groups]
-            yield opt, [(groups, groups)], False
+from megatron_ext.training.optimizer import adam_moments, main_params
 
 
 def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torch.Tensor:
@@ -47,12 +34,6 @@ def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torc
     a = (1 - beta1) / (root + eps) - (1 - beta2) * m * g / (root.clamp(min=1e-30)
                                                            * (root + eps) ** 2)
     return a.square()
-
-
-def _shard_range(opt, model_param) -> tuple[int, int]:
-    """Where this rank's optimizer shard lies in the flattened ``model_param``."""
-    owned = opt._get_model_param_range_map(model_param)["param"]
-    return owned.start, owned.end
 
 
 def adam_terms(optimizer, site_params: dict) -> tuple[dict, dict]:
@@ -65,29 +46,25 @@ def adam_terms(optimizer, site_params: dict) -> tuple[dict, dict]:
     out: dict[str, torch.Tensor] = {}
     sharded = False
     hyper = None
-    for opt, pairs, distributed in _groups(optimizer):
-        inner = opt.optimizer
+    for mp in main_params(optimizer):
+        inner = mp.sub.optimizer
         group = inner.param_groups[0]
         beta1, beta2 = group["betas"]
-        sharded = sharded or distributed
-        for model_groups, main_groups in pairs:
-            for model_group, main_group in zip(model_groups, main_groups):
-                for model_param, main in zip(model_group, main_group):
-                    site = site_of.get(id(model_param))
-                    state = inner.state.get(main)
-                    if site is None or not state or main.grad is None:
-                        continue
-                    mvg = torch.stack([state["exp_avg"].double(),
-                                       state["exp_avg_sq"].double(), main.grad.double()])
-                    if distributed:  # this rank's slice of the flattened weight
-                        full = out.setdefault(site, torch.zeros(
-                            3, model_param.numel(), dtype=torch.float64, device=mvg.device))
-                        start, end = _shard_range(opt, model_param)
-                        full[:, start:end] = mvg.reshape(3, -1)
-                    else:
-                        out[site] = mvg.view(3, *model_param.shape)
-                    hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2,
-                             "eps": group["eps"], "step": float(state.get("step", 0))}
+        sharded = sharded or mp.distributed
+        site = site_of.get(id(mp.model))
+        state = adam_moments(inner, mp.main) if site is not None else None
+        if not state or mp.main.grad is None:
+            continue
+        mvg = torch.stack([state["exp_avg"].double(), state["exp_avg_sq"].double(),
+                           mp.main.grad.double()])
+        if mp.distributed:  # this rank's slice of the flattened weight
+            full = out.setdefault(site, torch.zeros(
+                3, mp.model.numel(), dtype=torch.float64, device=mvg.device))
+            full[:, mp.start:mp.start + mp.main.numel()] = mvg.reshape(3, -1)
+        else:
+            out[site] = mvg.view(3, *mp.model.shape)
+        hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2,
+                 "eps": group["eps"], "step": float(state.get("step", 0))}
     if sharded:
         out = _sum_shards(out, site_params)
     hyper = _agree(hyper)

@@ -109,7 +109,7 @@ def _notes(args, req, layout, vocab: int, parts) -> list[str]:
         f"buffer), Adam m, v{' + FP32 main params' if layout.bf16 else ''} "
         f"{12 if layout.bf16 else 8} B/param{zero}"
         + (" (FSDP: all three / DP)" if layout.fsdp else "")
-        + "; STQuant has no flag yet: optimizer state counted in FP32",
+        + "; m, v counted in FP32 whatever --optimizer (STQuant adds its own column)",
         f"activations (Korthikanti et al. 2022, Table 2): {_activation_formula(layout)} bytes = "
         f"{per_layer / est.GIB:.2f} GiB per layer per micro-batch, {attention}; 'mb' = "
         f"micro-batches held at the {'interleaved ' if layout.vp > 1 else ''}1F1B peak; the "

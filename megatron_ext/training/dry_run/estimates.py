@@ -26,7 +26,8 @@ every weight's first dimension; otherwise the first ranks hold one row more). No
 the one FSDP unit (transformer layer or embedding) whose full weights are all-gathered while
 it runs.
 Megatron-FSDP (``--use-megatron-fsdp``, "optim_grads_params") shards the same three.
-STQuant (low-bit optimizer states) has no flag yet, so the optimizer line assumes FP32 states.
+The optimizer line assumes FP32 states; ``--optimizer stquant-adamw`` adds its own column
+(``megatron_ext/methods/stquant/dry_run.py``).
 
 Activations, per layer and micro-batch
 --------------------------------------
