@@ -45,6 +45,7 @@ def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int =
 
     exts = default_extensions()
     args = parse_args("llama", ["--load", str(run_dir / "checkpoints"), "--no-save",
+                                "--use-checkpoint-opt_param-scheduler",
                                 "--precision", "uniform:bf16", "--override-precision-plan",
                                 "--run-dir", str(run_dir / "check"), *extra],
                       ext.args_provider(exts))

@@ -18,6 +18,7 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
     platform (``extra`` too: a method kept outside the package, a test's)."""
     from megatron_ext.methods.gnmr.extension import gnmr_extension
+    from megatron_ext.methods.pgq.extension import pgq_extension
     from megatron_ext.methods.snip.extension import snip_extension
     from megatron_ext.methods.stquant.extension import stquant_extension
     from megatron_ext.precision.controller import PlanController
@@ -25,7 +26,7 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, gnmr_extension, stquant_extension, *extra]  # GNMR after SNIP: it
-    # lifts SNIP's base
+    methods = [snip_extension, pgq_extension, stquant_extension, gnmr_extension, *extra]
+    # GNMR last among the methods: it lifts the base plan the others made
     return [FaultHandler().extension(), *(make(controller) for make in methods),
             precision_extension(PrecisionRun(controller))]

@@ -19,6 +19,15 @@ length, ``h`` the width), plus on the last stage the output layer, ``6·T·v·h`
 padded vocabulary). SNIP's efficiency metric is the ``fp4`` fraction; its ILP weighs option
 times against the fixed times; the dry run adds them up per stage.
 
+**Roofline.** Lower precision only speeds up a GEMM whose time is set by its arithmetic, not by
+moving its operands: a GEMM ``(m x k) @ (k x n)`` does ``2·m·n·k`` FLOPs and moves at least
+``bytes · (m·k + k·n + m·n)`` (both operands read once, the output written once; BF16, 2 bytes),
+so its **arithmetic intensity** is ``2·m·n·k / (bytes · (m·k + k·n + m·n))`` FLOP/byte. A
+device's **ridge point** is its peak BF16 rate over its memory bandwidth; a GEMM above the
+ridge is compute-bound (the roofline model, Williams et al. 2009). A linear site's three GEMMs
+read the same three matrices (``T x K``, ``N x K``, ``T x N``), so they share one intensity.
+:data:`DEVICES` holds the datasheet peaks (dense, no sparsity) PGQ's roofline filter uses.
+
 Shapes are the global (unsharded) ones from the model flags; TP divides a stage's time but
 not the fractions, and PP only groups layers into stages. ``T`` is whatever the caller
 counts: a step's tokens (global batch x sequence: FLOP fractions, SNIP's problem) or a
@@ -41,6 +50,39 @@ SPEED = {"fp4": 4.0, "fp8": 2.0, "bf16": 1.0}
 
 BF16_FLOPS_PER_S = 989e12
 """Default BF16 rate ``R``: the dense BF16 tensor-core peak of an H100 SXM."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator's roofline: peak dense BF16 rate and memory bandwidth (datasheet)."""
+
+    name: str
+    """What it is, for reports."""
+    bf16_flops_per_s: float
+    """Dense BF16 tensor-core peak, FLOP/s."""
+    bytes_per_s: float
+    """Memory (HBM / DRAM) bandwidth, bytes/s."""
+
+    @property
+    def ridge(self) -> float:
+        """FLOP/byte above which a GEMM is compute-bound."""
+        return self.bf16_flops_per_s / self.bytes_per_s
+
+
+DEVICES = {
+    "h100": Device("H100 SXM (989 TFLOP/s BF16, 3.35 TB/s HBM3)", 989e12, 3.35e12),
+    "h200": Device("H200 SXM (989 TFLOP/s BF16, 4.8 TB/s HBM3e)", 989e12, 4.8e12),
+    "b200": Device("B200 HGX 1000 W (2.25 PFLOP/s BF16, 8 TB/s HBM3e)", 2.25e15, 8e12),
+    "a100": Device("A100 SXM 80 GB (312 TFLOP/s BF16, 2.04 TB/s HBM2e)", 312e12, 2.039e12),
+    "cpu": Device("CPU, nominal server socket (2 TFLOP/s BF16 AMX, 0.3 TB/s DDR5)", 2e12,
+                  0.3e12),
+}
+"""Roofline presets by name (``--pgq-device``)."""
+
+
+def gemm_intensity(m: int, n: int, k: int, bytes_per_element: float = 2.0) -> float:
+    """Arithmetic intensity (FLOP/byte) of one ``(m x k) @ (k x n)`` GEMM (module docstring)."""
+    return 2.0 * m * n * k / (bytes_per_element * (m * k + k * n + m * n))
 
 
 def operand_class(name: str) -> str:

@@ -10,6 +10,7 @@
                       [--from-step STEP]
     plot_precision.py stquant RUN_DIR --out widths.png
     plot_precision.py gnmr RUN_DIR_OR_TRACE --out gnmr.png
+    plot_precision.py pgq PROFILE.json --out sqnr.png [--formats int8,fp8]
 
 Bad input: one ``error:`` line on stderr, exit status 2, no output file. Parsing only: the
 readers are :mod:`megatron_ext.viz.inputs`, the figures :mod:`megatron_ext.viz.plots`.
@@ -115,6 +116,16 @@ def _add_gnmr(sub) -> None:
     _common(p)
 
 
+def _add_pgq(sub) -> None:
+    p = _subparser(sub, "pgq", "SQNR of every GEMM operand of a PGQ profile: layer x operand, "
+                               "one panel per format (PGQ Fig. 3)")
+    p.add_argument("profile", metavar="PROFILE.json",
+                   help="a PGQ profile (<run>/pgq/profile.json of --precision pgq)")
+    p.add_argument("--formats", metavar="C1,C2,...",
+                   help="candidate formats to show, one panel each (default: all profiled)")
+    _common(p)
+
+
 def _add_stquant(sub) -> None:
     p = _subparser(sub, "stquant", "STQuant's optimizer-state width per layer over training "
                                    "(STQuant paper Fig. 6a)")
@@ -132,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Examples and input formats: docs/plots.md")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_plan, _add_stages, _add_evolution, _add_divergence, _add_loss, _add_gnmr,
-                _add_stquant):
+                _add_pgq, _add_stquant):
         add(sub)
     return parser
 
@@ -210,6 +221,19 @@ def _plot_gnmr(args):
     return traces.gnmr_traces(inputs.load_gnmr_trace(args.trace))
 
 
+def _plot_pgq(args):
+    from megatron_ext.methods.pgq.profile import load_profile
+    from megatron_ext.viz.pgq import sqnr_heatmap
+
+    profile = load_profile(args.profile)
+    formats = args.formats.split(",") if args.formats else list(profile.candidates)
+    unknown = [f for f in formats if f not in profile.candidates]
+    if unknown:
+        raise ValueError(f"--formats {','.join(unknown)}: not in '{args.profile}' (it has "
+                         f"{', '.join(profile.candidates)})")
+    return sqnr_heatmap(profile, formats)
+
+
 def _plot_stquant(args):
     from megatron_ext.viz import inputs, widths
 
@@ -218,7 +242,7 @@ def _plot_stquant(args):
 
 COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolution,
             "divergence": _plot_divergence, "loss": _plot_loss, "gnmr": _plot_gnmr,
-            "stquant": _plot_stquant}
+            "pgq": _plot_pgq, "stquant": _plot_stquant}
 
 
 def _run(argv: list[str]) -> None:

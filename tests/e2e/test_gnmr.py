@@ -129,7 +129,8 @@ def test_resume_between_promotion_and_demotion_is_exact(tmp_path):
     # resumed without --gnmr: nothing would demote the promotions, so they are dropped
     plain = tmp_path / "plain"
     proc = launch([*FAST_ARGS, "--precision", "uniform:fp4", "--train-iters", "4",
-                   "--run-dir", str(plain), "--load", str(ckpt), "--no-save"])
+                   "--use-checkpoint-opt_param-scheduler", "--run-dir", str(plain),
+                   "--load", str(ckpt), "--no-save"])
     assert "dropping the checkpoint's GNMR promotions of 8 site(s)" in proc.stdout
     plan = json.loads((plain / "precision_plan.json").read_text())
     assert all(f["x"] == FP4_X for f in plan["sites"].values()) and not (plain / "gnmr").exists()

@@ -37,10 +37,10 @@ def _tool(name: str):
 
 
 def _pretrain(family):
-    from megatron_ext.methods.snip.extension import snip_extensions
+    from megatron_ext.defaults import default_extensions
     from megatron_ext.training.pretrain import pretrain
 
-    return lambda: pretrain(family, ["--help"], extensions=snip_extensions())
+    return lambda: pretrain(family, ["--help"], extensions=default_extensions())
 
 
 ENTRY_POINTS = {

@@ -99,3 +99,15 @@ def test_stage_seconds_add_gemm_and_fixed_times():
     assert report.stage_flops == [7200, 7200]
     swapped = flop_report(PLAN.formats, shape, stage_of=[1, 0])  # an explicit split
     assert swapped.stage_fractions[1]["fp4"] == pytest.approx(3520 / 7200)
+
+
+def test_gemm_intensity_and_ridge_points_by_hand():
+    from megatron_ext.precision.cost import DEVICES, gemm_intensity
+
+    # (128 x 128) @ (128 x 256): 2·128·256·128 = 8388608 FLOPs over 2·(128·128 + 128·256 +
+    # 128·256) = 163840 bytes
+    assert gemm_intensity(128, 256, 128) == pytest.approx(51.2)
+    assert gemm_intensity(4096, 4096, 4096) == pytest.approx(4096 / 3)  # n³ / 3n² (BF16)
+    assert gemm_intensity(8, 8, 8, bytes_per_element=1) == pytest.approx(16 / 3)
+    ridges = {name: round(d.ridge) for name, d in DEVICES.items()}
+    assert ridges == {"h100": 295, "h200": 206, "b200": 281, "a100": 153, "cpu": 7}

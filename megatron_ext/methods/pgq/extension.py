@@ -1,0 +1,151 @@
+"""``--precision pgq`` in training: profile at start-up, then train with the recipe's plan.
+
+**When the profile runs.** It needs the model with the weights training continues from and
+the batches it will train on, so the policy's ``make(args, arg)`` returns a safe plan
+(``pgq:safe``: nothing quantized) and the recipe replaces the base plan in ``before_step`` of
+the first step this process trains — after ``--load``, which ``after_setup`` would precede
+(a fine-tuned or resumed model is profiled with its loaded weights, not its random init), on
+the ``--pgq-profile-steps`` batches training consumes next. The platform's ``before_step``
+comes later in the same hook round and commits the recipe, so the very first step already
+runs it; the profile's time is reported as ``pgq_profile_s`` in that step's metrics, outside
+``step_time_s``. Nothing stays attached: every other step runs without overhead.
+
+The profile is checkpoint state (``pgq``: the step it was taken at): a resumed run keeps the
+checkpoint's recipe (the plan controller's base plan) and does not profile again. With
+``--pgq-profile FILE`` the recipe is made from a saved profile in ``make`` itself, so
+``--dry-run`` sees it too and no profile is taken.
+
+Rank 0 writes ``<run>/pgq/profile.json``, ``recipe.md`` and ``recipe.json`` and prints the
+recipe's summary; every rank installs rank 0's plan (a broadcast), which the platform then
+hash-checks on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch.distributed as dist
+
+from megatron_ext.errors import UsageError
+from megatron_ext.extension import Extension
+from megatron_ext.io import write_json_atomic
+from megatron_ext.methods.pgq.observe import collect_profile
+from megatron_ext.methods.pgq.options import (add_profile_arguments, add_recipe_arguments,
+                                              candidates, recipe_config)
+from megatron_ext.methods.pgq.profile import load_profile
+from megatron_ext.methods.pgq.recipe import make_recipe
+from megatron_ext.methods.pgq.report import summary, write_recipe
+from megatron_ext.precision.controller import PlanController
+from megatron_ext.precision.cost import ModelShape
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.policies import Policy, register_policy
+
+POLICY = "pgq"
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "swiglu")
+"""What a saved profile must share with the run it makes a recipe for."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("PGQ (--precision pgq): profile-guided per-GEMM recipes")
+    add_profile_arguments(g)
+    add_recipe_arguments(g)
+
+
+def saved_recipe(args):
+    """The recipe of ``--pgq-profile`` for this run's flags; ``ValueError`` if the profile
+    is of another model or lacks the format."""
+    profile = load_profile(args.pgq_profile)
+    run = ModelShape.from_args(args)
+    other = [f for f in SHAPE_FIELDS if profile.model.get(f) != getattr(run, f)]
+    if other:
+        raise ValueError(f"'{args.pgq_profile}' profiles another model ({', '.join(other)} "
+                         "differ)")
+    return make_recipe(profile, recipe_config(args))
+
+
+def pgq_plan(args: argparse.Namespace, arg: str | None) -> PrecisionPlan:
+    """The policy's base plan: the saved profile's recipe, else the safe plan."""
+    if args.pgq_profile:
+        return saved_recipe(args).plan
+    return PrecisionPlan({}, method=f"{POLICY}:safe")
+
+
+register_policy(Policy(POLICY, pgq_plan, owner=POLICY,
+                       help="PGQ: per-GEMM recipe from a start-up SQNR profile"))
+
+
+class PgqRun:
+    """One run's PGQ state."""
+
+    def __init__(self, controller: PlanController):
+        self.controller = controller
+        """The platform's plan controller: the recipe replaces its base plan."""
+        self.active = False
+        self.candidates: dict = {}
+        self.profiled_at: int | None = None
+        """The step the profile was taken before (None: not yet)."""
+        self._profile_s: float | None = None
+
+    def validate(self, args) -> None:
+        self.active = args.precision == POLICY
+        if not self.active:
+            return
+        if args.pgq_profile_steps < 1:
+            raise UsageError(f"--pgq-profile-steps must be >= 1, got {args.pgq_profile_steps}")
+        recipe_config(args)
+        if args.pgq_profile is None:
+            self.candidates = candidates(args)
+
+    def after_setup(self, args, run, state) -> None:
+        run.checkpointer.register(POLICY, self)
+        if args.pgq_profile and dist.get_rank() == 0:
+            recipe = saved_recipe(args)
+            write_recipe(recipe, os.path.join(args.run_dir, POLICY))
+            print(f"pgq: {summary(recipe)} (from '{args.pgq_profile}')", flush=True)
+
+    def before_step(self, args, run, state) -> None:
+        if args.pgq_profile or self.profiled_at is not None:
+            return
+        start = time.perf_counter()
+        profile = collect_profile(args, run, state, args.pgq_profile_steps, self.candidates)
+        recipe = make_recipe(profile, recipe_config(args))
+        payload = [None]
+        if dist.get_rank() == 0:
+            out = os.path.join(args.run_dir, POLICY)
+            os.makedirs(out, exist_ok=True)
+            write_json_atomic(os.path.join(out, "profile.json"), profile.to_dict())
+            write_recipe(recipe, out)
+            payload[0] = recipe.plan.to_dict()
+            print(f"pgq: profiled {len(profile.gemms)} GEMMs on {profile.steps} batch(es) in "
+                  f"{time.perf_counter() - start:.1f} s; {summary(recipe)}; {out}", flush=True)
+        dist.broadcast_object_list(payload, src=0)
+        self.controller.set_base(PrecisionPlan.from_dict(payload[0]))
+        self.profiled_at = state.iteration
+        self._profile_s = time.perf_counter() - start
+
+    def on_step(self, args, run, state) -> dict | None:
+        if self._profile_s is None:
+            return None
+        seconds, self._profile_s = self._profile_s, None
+        return {"pgq_profile_s": seconds}
+
+    def state_dict(self) -> dict:
+        return {"profiled_at": self.profiled_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.profiled_at = state.get("profiled_at")
+
+
+def pgq_extension(controller: PlanController) -> Extension:
+    """The PGQ Extension of one run; its recipe replaces ``controller``'s base plan."""
+    pgq = PgqRun(controller)
+
+    def active(hook):
+        return lambda args, *rest: hook(args, *rest) if pgq.active else None
+
+    return Extension(name=POLICY, add_arguments=add_arguments, validate=pgq.validate,
+                     after_setup=active(pgq.after_setup), before_step=active(pgq.before_step),
+                     on_step=active(pgq.on_step))

@@ -1,0 +1,84 @@
+"""PGQ's flags, defined once: the recipe flags are shared by training (``--precision pgq``) and
+``tools/pgq_recipe.py``; the profile flags are training's. Checks raise ``UsageError`` with
+one line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from megatron_ext.errors import UsageError
+from megatron_ext.methods.pgq.recipe import MODES, NO_ROOFLINE, RecipeConfig
+from megatron_ext.methods.pgq.sqnr import CANDIDATES
+from megatron_ext.precision.cost import DEVICES
+from megatron_ext.precision.sites import SiteFormats
+
+DEFAULT = RecipeConfig()
+
+
+def add_recipe_arguments(group) -> None:
+    """The recipe flags (``--pgq-format`` ... ``--pgq-seed``) on ``group``."""
+    group.add_argument("--pgq-format", default=DEFAULT.format, metavar="CANDIDATE",
+                       help="candidate the quantized GEMMs run in: "
+                            + ", ".join(f"{n} ({f.x}/{f.w}/{f.dy})" for n, f in
+                                        CANDIDATES.items()))
+    group.add_argument("--pgq-fwd-threshold", type=float, default=DEFAULT.fwd_threshold,
+                       metavar="RATIO", help="quantize an fprop GEMM iff the lower SQNR of its "
+                       "operands (ratio, not dB) is at least this")
+    group.add_argument("--pgq-bwd-threshold", type=float, default=DEFAULT.bwd_threshold,
+                       metavar="RATIO", help="the same for dgrad and wgrad GEMMs")
+    group.add_argument("--pgq-device", choices=[*DEVICES, NO_ROOFLINE], default=DEFAULT.device,
+                       help="roofline preset: only GEMMs above its ridge point (peak BF16 "
+                            "FLOP/s over memory bandwidth) may be quantized; none: no filter")
+    group.add_argument("--pgq-budget", type=float, default=None, metavar="F",
+                       help="scale both thresholds (bisection) so that at least this fraction "
+                            "of the linear-layer FLOPs is quantized (SNIP's --snip-budget "
+                            "with an FP4 format)")
+    group.add_argument("--pgq-adversarial", action="store_true",
+                       help="validation: quantize the lowest-SQNR-margin GEMMs instead, at "
+                            "the recipe's quantized FLOP fraction")
+    group.add_argument("--pgq-random", action="store_true",
+                       help="validation: a random recipe at the recipe's quantized FLOP "
+                            "fraction")
+    group.add_argument("--pgq-seed", type=int, default=0, help="seed of --pgq-random")
+
+
+def add_profile_arguments(group) -> None:
+    """Training's profile flags."""
+    group.add_argument("--pgq-profile-steps", type=int, default=2, metavar="N",
+                       help="profile the first N batches before the first step (observed "
+                            "passes, no update), then switch to the recipe's plan")
+    group.add_argument("--pgq-candidates", default=",".join(CANDIDATES), metavar="C1,C2,...",
+                       help="candidate formats to measure every operand's SQNR in")
+    group.add_argument("--pgq-profile", default=None, metavar="PROFILE.json",
+                       help="make the recipe from this saved profile instead of profiling "
+                            "(the plan is then known before training starts)")
+
+
+def recipe_config(args: argparse.Namespace) -> RecipeConfig:
+    """The recipe flags checked (the format is checked against the profile later)."""
+    for flag in ("fwd", "bwd"):
+        value = getattr(args, f"pgq_{flag}_threshold")
+        if not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"--pgq-{flag}-threshold must be a positive SQNR ratio, got {value}")
+    budget = args.pgq_budget
+    if budget is not None and not 0.0 <= budget <= 1.0:
+        raise UsageError(f"--pgq-budget must be in [0, 1], got {budget}")
+    if args.pgq_adversarial and args.pgq_random:
+        raise UsageError("--pgq-adversarial and --pgq-random exclude each other")
+    mode = MODES[1] if args.pgq_adversarial else MODES[2] if args.pgq_random else MODES[0]
+    return RecipeConfig(args.pgq_format, args.pgq_fwd_threshold, args.pgq_bwd_threshold,
+                        args.pgq_device, budget, mode, args.pgq_seed)
+
+
+def candidates(args: argparse.Namespace) -> dict[str, SiteFormats]:
+    """``--pgq-candidates`` checked, with ``--pgq-format`` among them."""
+    names = [n.strip() for n in args.pgq_candidates.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown or not names:
+        raise UsageError(f"--pgq-candidates: unknown {unknown or 'empty list'}; choose from "
+                         f"{', '.join(CANDIDATES)}")
+    if args.pgq_format not in names:
+        raise UsageError(f"--pgq-format {args.pgq_format!r} is not among --pgq-candidates "
+                         f"({', '.join(names)})")
+    return {n: CANDIDATES[n] for n in dict.fromkeys(names)}
