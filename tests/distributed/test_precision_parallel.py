@@ -61,13 +61,17 @@ LAYOUTS = {
 
 def _tolerance(name: str, step: int) -> float:
     """PP changes no arithmetic: 1e-5 as for the unquantized layouts. TP sums partial products
-    in another order, so a value can land on the other side of a rounding boundary of the
-    grid; each such flip moves it by a whole grid step (1/16 in E4M3), and a few flips in the
-    backward already move the step-1 gradients by 1e-5. Perturbing the *initial weights* by
-    1.5e-8 (relative) at TP=1 moved this run's losses by 1e-5 at step 1 and 6e-4 at step 3,
-    so after the first update TP is held to 2e-3; its first forward, on identical weights,
-    to 1e-5."""
-    return 1e-5 if name == "pp2" or step == 1 else 2e-3
+    in another order, which is a perturbation of a float32 ulp or so; in FP4 a value that lands
+    on the other side of a rounding boundary moves by a whole grid step, and the runs diverge
+    chaotically once the first updates have spread those flips. Measured on this test's run at
+    TP=1 (2026-11-23), the relative loss changes from perturbing ``--init-method-std`` by
+    1.5e-8 / 1e-7 / 1e-6 (relative) were at most 3e-6 at step 1, 1.2e-5 at step 2, 1.9e-3 at
+    step 3 and 4.8e-3 at step 4; TP=2+SP moved them by 8.5e-6, 4.7e-6, 2.6e-3, 1.6e-3 — inside
+    that band. So TP is held to 5e-5 for the first two steps (where a wrong shard, scale or
+    reduction would show) and to 1e-2, twice the band, after that."""
+    if name == "pp2":
+        return 1e-5
+    return 5e-5 if step <= 2 else 1e-2
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
