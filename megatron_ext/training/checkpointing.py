@@ -40,6 +40,7 @@ from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_opt
                                                    matching_local_shards)
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
+from megatron_ext.training.optimizer import allocate_adam_state, restore_adam_step
 from megatron_ext.training.schedule_resume import restore, saved_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -131,8 +132,13 @@ class Checkpointer:
 
     def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
         model_sd = self._model_state()
+        # the distributed optimizer's state in megatron's bucket layout (Megatron-LM's default):
+        # reloadable at another DP size, not another TP / PP (its fully_reshardable format
+        # fails to load torch AdamW's step in megatron-core 0.16.1)
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
         with matching_local_shards():  # FSDP2 (fsdp_checkpoint.py); a no-op for DDP
-            optimizer_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            optimizer_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                             metadata=metadata)
         state = {"model": model_sd, "optimizer": optimizer_sd}
         if with_rng:
             state["rng_state"] = _rng_state()
@@ -157,6 +163,8 @@ class Checkpointer:
             common = dist_checkpointing.load_common_state_dict(path)
             weights_only = finetune or common.get("weights_only", False)
             same_layout = common.get("layout") == _layout()
+            if not weights_only:
+                allocate_adam_state(self.optimizer)
             request = {"model": self._model_state()} if weights_only \
                 else self._sharded_state(True, same_layout)
             _check_model_shapes(request["model"], path)
@@ -171,6 +179,7 @@ class Checkpointer:
         if weights_only:
             return TrainState()
         load_optimizer_state(self.optimizer, loaded["optimizer"])
+        restore_adam_step(self.optimizer)
         schedule = restore(self.scheduler, common["scheduler"])  # UsageError on a mismatch
         if dist.get_rank() == 0:
             print(schedule, flush=True)

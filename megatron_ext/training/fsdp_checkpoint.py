@@ -152,7 +152,9 @@ def _inner_optimizers(optimizer, state) -> list:
 def load_optimizer_state(optimizer, state) -> None:
     """``optimizer.load_state_dict(state)`` where parameters may be ``DTensor``\\ s: the FP32
     main parameters (BF16 runs) are wrapped before megatron copies them in, and each Adam state
-    tensor that is a parameter's local shard after torch's Adam took it (it refuses the mix)."""
+    tensor that is a parameter's local shard after torch's Adam took it (it refuses the mix).
+    Under ``no_grad``: megatron's distributed optimizer copies FP32 main parameters in place,
+    and in an FP32 run they are views of the model's (grad-requiring) parameters."""
     pairs = _inner_optimizers(optimizer, state)
     for inner, part in pairs:
         saved = part.get("fp32_from_fp16_params") if isinstance(part, dict) else None
@@ -161,7 +163,8 @@ def load_optimizer_state(optimizer, state) -> None:
             for i, (current, value) in enumerate(zip(current_group, saved_group)):
                 if isinstance(current, DTensor) and not isinstance(value, DTensor):
                     saved_group[i] = _like(value, current)
-    optimizer.load_state_dict(state)
+    with torch.no_grad():
+        optimizer.load_state_dict(state)
     for inner, _ in pairs:
         for param, param_state in inner.optimizer.state.items():
             if not isinstance(param, DTensor):

@@ -129,3 +129,41 @@ def adam_moments(inner, main: torch.Tensor) -> dict | None:
     answers through its ``dequantized_state(main)``."""
     reader = getattr(inner, "dequantized_state", None)
     return reader(main) if reader is not None else inner.state.get(main)
+
+
+
+def _torch_adams_in_distributed_optimizers(optimizer):
+    """The inner torch Adam / AdamW of each megatron ``DistributedOptimizer`` in ``optimizer``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(opt, DistributedOptimizer) \
+                and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            yield inner
+
+
+def allocate_adam_state(optimizer) -> None:
+    """Before a load: give every parameter of a fresh ``DistributedOptimizer``'s inner torch
+    Adam a zero state (step 0, zero moments), as its first step would. megatron's
+    ``sharded_state_dict`` reads the step from that state (TE's and apex's fused Adam keep it in
+    the parameter groups; torch allocates it only at the first step). The load overwrites the
+    moments; :func:`restore_adam_step` the step."""
+    for inner in _torch_adams_in_distributed_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0),
+                                          "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+
+
+def restore_adam_step(optimizer) -> None:
+    """After a load: megatron's bucket-space format (``dp_reshardable``) writes each
+    parameter's state tensors back, but the 0-d step not; the checkpoint's step is in the
+    loaded parameter groups — put it into every parameter's state, as megatron's own
+    ``load_state_dict`` does for torch Adam."""
+    for inner in _torch_adams_in_distributed_optimizers(optimizer):
+        for group in inner.param_groups:
+            if "step" in group:
+                for param in group["params"]:
+                    inner.state[param]["step"] = torch.tensor(float(group["step"]))

@@ -53,6 +53,20 @@ def test_resume_at_tp2_from_tp1_checkpoint(tmp_path, uninterrupted):
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5), f"step {step}"
 
 
+
+def test_distributed_optimizer_resumes_exactly_at_the_same_and_another_dp_size(tmp_path):
+    """megatron's distributed optimizer saved at DP=2 (its bucket format) and resumed at DP=2
+    and at DP=1: both continue the uninterrupted DP=2 run bit for bit (AdamW's moments and
+    step restored — a lost step shows at the first update after the resume)."""
+    flags = [*FAST_ARGS, "--train-iters", "4", "--use-distributed-optimizer"]
+    launch([*flags, "--run-dir", str(tmp_path / "full"), "--no-save"], nproc=2)
+    launch([*flags, "--exit-interval", "2", *_save_args(tmp_path, "first")], nproc=2)
+    full = train_losses(tmp_path / "full")
+    for name, nproc in (("dp2", 2), ("dp1", 1)):
+        launch([*flags, "--run-dir", str(tmp_path / name), "--no-save",
+                "--load", str(tmp_path / "first-ckpt")], nproc=nproc)
+        assert train_losses(tmp_path / name) == {3: full[3], 4: full[4]}, name
+
 CRASH_ON_SECOND_SAVE = """
 import os, sys
 from megatron.core import dist_checkpointing
