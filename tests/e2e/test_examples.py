@@ -61,7 +61,17 @@ def test_example_passes_dry_run(example, tmp_path, monkeypatch, capsys):
         code = _run_entry_point(argv, monkeypatch)
         out, err = capsys.readouterr()
         assert code == 0, err[-2000:]
-        assert out.startswith("dry run:") and "parameters:" in out and "SNIP ILP" in out
+        assert out.startswith("dry run:") and "parameters:" in out
+        assert ("SNIP ILP" in out) == _runs_snip(argv), "SNIP reports exactly when it runs"
+
+
+def _runs_snip(argv: list[str]) -> bool:
+    """Whether ``argv``'s ``--precision`` is one of SNIP's policies (the registry's owner)."""
+    import megatron_ext.defaults  # noqa: F401  (registers every method's policies)
+    from megatron_ext.precision.policies import lookup
+    if "--precision" not in argv:
+        return False
+    return lookup(argv[argv.index("--precision") + 1])[0].owner == "snip"
 
 
 @pytest.mark.parametrize("example", SRUN_EXAMPLES)

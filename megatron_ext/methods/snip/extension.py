@@ -293,4 +293,4 @@ def snip_extension(controller: PlanController) -> Extension:
 
     return Extension(name="snip", add_arguments=add_arguments, validate=snip.validate,
                      after_setup=snip.after_setup, before_step=active(snip.before_step),
-                     on_step=active(snip.on_step), dry_run_estimate=dry_run.estimate)
+                     on_step=active(snip.on_step), dry_run_estimate=active(dry_run.estimate))

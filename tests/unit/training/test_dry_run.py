@@ -41,16 +41,24 @@ def test_llama3_70b_in_one_process(tmp_path, capsys):
     assert stages[0].pre_process and stages[-1].post_process
     assert stages[0].per_gpu == 2_401_927_168  # embedding + 10 layers, TP shard of 4
     assert report.bubble == pytest.approx(7 / (512 + 7))
-    ilp = report.parts["snip"].json["ilp"]
-    assert ilp["status"] == "optimal" and ilp["budget"] == 0.5
+    assert "snip" not in report.parts  # a method reports only when its policy runs
     assert report.parts["precision"].json["plan"] == "uniform:fp8"
     assert [s.params.stage for s in report.stages] == list(range(8))
     assert not dist.is_initialized() and not cpu.is_active()
     text = capsys.readouterr().out
-    assert "70,553,706,496" in text and "SNIP ILP" in text and "t/mb ms" in text
+    assert "70,553,706,496" in text and "SNIP" not in text and "t/mb ms" in text
     saved = json.loads(out.read_text())
     assert saved["total_params"] == report.total_params and saved["plan"] == "uniform:fp8"
-    assert saved["ilp"]["status"] == "optimal" and saved["stages"][0]["fp4_fraction"] == 0.0
+    assert "ilp" not in saved and saved["stages"][0]["fp4_fraction"] == 0.0
+
+
+def test_llama3_70b_snip_reports_its_ilp(capsys):
+    report = dry([*LLAMA3_70B, "--precision", "snip", "--snip-budget", "0.5"],
+                 extensions=default_extensions())
+    ilp = report.parts["snip"].json["ilp"]
+    assert ilp["status"] == "optimal" and ilp["budget"] == 0.5
+    assert abs(ilp["fp4_fraction"] - 0.5) < 0.01
+    assert "SNIP ILP" in capsys.readouterr().out
 
 
 def _llama_params(L, h, F, a, g, V):
