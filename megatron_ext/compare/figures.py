@@ -7,6 +7,10 @@
   ``loss_end.png`` with every run.
 * ``gaps.png`` — each run's paired difference to the reference (mean over seeds, error bar =
   one standard error), bars coloured by group; only with a reference.
+* ``tradeoff.png`` — quality against the estimated step time (PGQ Fig. 5 in small): each run at
+  the cost model's GEMM time relative to all-BF16 (x) and its paired difference to the
+  reference (y; its final validation loss without a reference), whiskers one standard error,
+  coloured by group and labelled with the run name.
 """
 
 from __future__ import annotations
@@ -111,10 +115,49 @@ def gap_figure(results: dict, img: Path) -> Path | None:
     return path
 
 
+def tradeoff_points(results: dict) -> list[tuple[str, float, float, float | None, object]]:
+    """``(run, GEMM time vs BF16, y, standard error of y, group)`` per run: y is the paired
+    difference to the reference (0 for the reference itself), or the final validation loss
+    when the grid has no reference."""
+    points = []
+    for name, run in results["runs"].items():
+        if results["grid"]["reference"] is None:
+            y, err = run["val_loss"]["mean"], run["val_loss"]["se"]
+        else:
+            diff = run["vs_reference"] or {"mean": 0.0, "se": None}
+            y, err = diff["mean"], diff["se"]
+        points.append((name, run["gemm_time_vs_bf16"], y, err, run["group"]))
+    return points
+
+
+def tradeoff_figure(results: dict, img: Path) -> Path:
+    """Each run's quality against its estimated GEMM time (see the module docstring)."""
+    from megatron_ext.viz.plots import new_figure, save_png
+
+    ref, flag = results["grid"]["reference"], results["grid"]["group_by"]
+    points = tradeoff_points(results)
+    groups = list(dict.fromkeys(p[4] for p in points))
+    fig = new_figure(6.5, 4.5)
+    ax = fig.add_subplot()
+    for name, x, y, err, group in points:
+        ax.errorbar(x, y, yerr=err, fmt="o", color=f"C{groups.index(group) % 10}", capsize=3)
+        ax.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("estimated GEMM time / all-BF16 (cost model)")
+    ax.set_ylabel(f"final val loss − {ref} (paired)" if ref else "final val loss")
+    ax.grid(True, alpha=0.3)
+    grouped = f", colour = {flag}" if flag else ""
+    ax.set_title(f"quality vs estimated step time: {seeds_text(len(results['grid']['seeds']))}"
+                 f" ± standard error{grouped}", fontsize=9)
+    path = img / "tradeoff.png"
+    save_png(fig, str(path))
+    return path
+
+
 def draw(grid: Grid, results: dict, metrics: Metrics, out: Path) -> list[str]:
     """Every figure into ``out/img``; returns their paths relative to ``out``."""
     img = out / "img"
     img.mkdir(parents=True, exist_ok=True)
     paths = loss_figures(grid, metrics, img)
     gaps = gap_figure(results, img)
-    return [str(p.relative_to(out)) for p in [*paths, *([gaps] if gaps else [])]]
+    paths += [*([gaps] if gaps else []), tradeoff_figure(results, img)]
+    return [str(p.relative_to(out)) for p in paths]

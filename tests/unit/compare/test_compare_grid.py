@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.compare.cli import main
+from megatron_ext.compare.figures import tradeoff_points
 from pretrain_runner import FAST_ARGS, REPO
 
 TOOL = REPO / "tools" / "compare_precision.py"
@@ -59,10 +60,20 @@ def test_results_exist(grid):
     assert list(results["runs"]) == list(RUNS)
     markdown = (out / "results.md").read_text()
     assert "`fp4`" in markdown and "± " in markdown and "img/gaps.png" in markdown
-    for png in ("loss.png", "loss_end.png", "gaps.png"):
+    for png in ("loss.png", "loss_end.png", "gaps.png", "tradeoff.png"):
         assert (out / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / "img" / png).stat().st_size > 5000
     assert "[4/4]" in proc.stderr and "ETA" in proc.stderr
+    points = {p[0]: p[1:4] for p in tradeoff_points(results)}  # the quality-vs-time figure's
+    ref = results["grid"]["reference"]
+    assert points[ref][1:] == (0.0, None)
+    for name, run in results["runs"].items():
+        assert points[name][0] == run["gemm_time_vs_bf16"]
+        if name != ref:  # the paired difference, recomputed from the per-seed losses
+            seeds = run["seeds"]
+            diffs = [seeds[s]["val_loss"] - results["runs"][ref]["seeds"][s]["val_loss"]
+                     for s in seeds]
+            assert points[name][1] == pytest.approx(sum(diffs) / len(diffs), abs=1e-12)
     for run in RUNS:
         for seed in SEEDS:
             run_dir = out / "runs" / run / f"seed_{seed}"
