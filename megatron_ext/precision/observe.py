@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+from megatron.core import tensor_parallel
 
 from megatron_ext.precision.layers import quantized_linears
 
@@ -42,11 +43,19 @@ def observing(model, observers: dict[str, Observer]):
 
 @contextmanager
 def isolated_rng(seed: int):
-    """A forked torch RNG (CPU and the current GPU), seeded with ``seed``, for the block."""
+    """A forked torch RNG (CPU and the current GPU), seeded with ``seed``, for the block; and
+    megatron's model-parallel RNG tracker (dropout inside TP regions draws from it) put back as
+    it was, so an observed pass leaves the run's random streams untouched."""
     gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=gpus):
-        torch.manual_seed(seed)
-        yield
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved = tracker.get_states() if tracker.is_initialized() else None
+    try:
+        with torch.random.fork_rng(devices=gpus):
+            torch.manual_seed(seed)
+            yield
+    finally:
+        if saved is not None:  # fork() replaces a state's tensor: the saved ones are intact
+            tracker.set_states(saved)
 
 
 def observed_pass(run, observers: dict[str, Observer], consumed_samples: int,
