@@ -49,12 +49,16 @@ def fake_quant(
     *,
     axis: int = -1,
     generator: torch.Generator | None = None,
+    tensor_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize ``x`` to ``fmt`` and dequantize it back: same shape, dtype and device.
 
     ``axis`` is the dimension blocks run along (a GEMM's reduction dimension); the other
     dimensions are flattened into rows (128x128 blocks span 128 of those rows).
     ``generator`` drives stochastic rounding (the default generator when ``None``).
+    ``tensor_amax`` replaces ``x``'s own finite amax where the format reads the whole
+    tensor's (one scale per tensor, NVFP4's second level): the amax of the whole tensor
+    when ``x`` is one shard of it, so that the shard is scaled as the whole would be.
     Not differentiable: wrap it in a straight-through estimator for training.
     """
     fmt = get_format(fmt)
@@ -62,7 +66,7 @@ def fake_quant(
     if x.numel() == 0:
         return x.clone()
     x2, axis = to_2d(x, axis)
-    return from_2d(_dispatch(x2, fmt, generator), x.shape, axis)
+    return from_2d(_dispatch(x2, fmt, generator, tensor_amax), x.shape, axis)
 
 
 def check_dtype(x: torch.Tensor, caller: str) -> None:
@@ -90,15 +94,15 @@ def from_2d(y2: torch.Tensor, shape: tuple[int, ...], axis: int) -> torch.Tensor
     return y if axis == len(shape) - 1 else y.movedim(-1, axis).contiguous()
 
 
-def _dispatch(x2: torch.Tensor, fmt: Format, generator) -> torch.Tensor:
+def _dispatch(x2: torch.Tensor, fmt: Format, generator, tensor_amax) -> torch.Tensor:
     if x2.is_cuda and os.environ.get(BACKEND_ENV, "auto") != "torch":
         try:
             from . import triton_kernels
         except ImportError:  # no triton: the torch reference runs on CUDA too
             triton_kernels = None
         if triton_kernels is not None and triton_kernels.supports(fmt, x2):
-            return triton_kernels.fake_quant_2d(x2, fmt, generator)
-    return fake_quant_2d(x2, fmt, generator)
+            return triton_kernels.fake_quant_2d(x2, fmt, generator, tensor_amax)
+    return fake_quant_2d(x2, fmt, generator, tensor_amax=tensor_amax)
 
 
 def fake_quant_2d(
@@ -106,13 +110,15 @@ def fake_quant_2d(
     fmt: Format,
     generator: torch.Generator | None = None,
     chunk_elems: int | None = None,
+    tensor_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference on a contiguous 2-D tensor, blocks along dim 1."""
+    """The torch reference on a contiguous 2-D tensor, blocks along dim 1 (``tensor_amax``
+    as in :func:`fake_quant`)."""
     if isinstance(fmt.element, CastElement):
         y = x.to(fmt.element.dtype).to(x.dtype)
         return y.clone() if y is x else y
     y = torch.empty_like(x)
-    for chunk in rounded_chunks(x, fmt, generator, chunk_elems, out=y):
+    for chunk in rounded_chunks(x, fmt, generator, chunk_elems, out=y, tensor_amax=tensor_amax):
         xc, yc = x[chunk.rows], y[chunk.rows]
         if chunk.factors is not None:
             chunk.w4.mul_(chunk.factors.dequant)
@@ -199,15 +205,19 @@ def rounded_chunks(
     generator: torch.Generator | None = None,
     chunk_elems: int | None = None,
     out: torch.Tensor | None = None,
+    tensor_amax: torch.Tensor | None = None,
 ) -> Iterator[RoundedChunk]:
     """Scale and round the contiguous 2-D ``x`` (non-empty, ``fmt`` not a cast) chunk by
     chunk. Each :class:`RoundedChunk` lives in a reused buffer (or in the rows of ``out``,
-    a tensor shaped like ``x``, when it fits): finish with it before taking the next."""
+    a tensor shaped like ``x``, when it fits): finish with it before taking the next.
+    ``tensor_amax``: the whole tensor's amax when ``x`` is a shard (:func:`fake_quant`)."""
     scaling = fmt.scaling
     plan = blocking(x, scaling, chunk_elems)
-    tensor_amax, nonfinite = None, False
+    whole_amax, tensor_amax, nonfinite = tensor_amax, None, False
     if scaling.rows is None or scaling.needs_tensor_amax:
         tensor_amax, nonfinite = finite_amax(x, dims=(0, 1), keepdim=False)
+        if whole_amax is not None:
+            tensor_amax = whole_amax.to(tensor_amax.dtype).reshape(tensor_amax.shape)
     ws = _Workspace(x.device, plan.chunk_rows * plan.padded)
     for r0, r1 in plan.chunks(x.shape[0]):
         target = None if out is None else out[r0:r1]

@@ -71,6 +71,13 @@ class Scaling:
         """Canonical name, the part of a format name after ``@``."""
         raise NotImplementedError
 
+    @property
+    def reads_tensor_amax(self) -> bool:
+        """Whether the factors depend on the amax of the whole tensor (one scale per tensor,
+        or NVFP4's second level): a shard of a tensor-parallel operand must then be given the
+        whole tensor's amax to be scaled as the unsharded tensor is."""
+        return self.needs_tensor_amax or (self.rows is None and not isinstance(self, NoScaling))
+
     def factors(
         self,
         amax: torch.Tensor,

@@ -162,15 +162,20 @@ def _launch_shape(fmt: Format) -> tuple[int, int, int, int]:
 
 
 def fake_quant_2d(
-    x: torch.Tensor, fmt: Format, generator: torch.Generator | None = None
+    x: torch.Tensor, fmt: Format, generator: torch.Generator | None = None,
+    tensor_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Quantize-dequantize a contiguous 2-D tensor (blocks along dim 1) with the kernel."""
+    """Quantize-dequantize a contiguous 2-D tensor (blocks along dim 1) with the kernel
+    (``tensor_amax``: the whole tensor's when ``x`` is a shard, as in ``fake_quant``)."""
     rows, cols = x.shape
     y = torch.empty_like(x)
     e, s = fmt.element, fmt.scaling
-    tensor_amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    if s.needs_tensor_amax:
+    if not s.needs_tensor_amax:
+        tensor_amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    elif tensor_amax is None:
         tensor_amax = finite_amax(x, dims=(0, 1), keepdim=False)[0].reshape(1).float()
+    else:
+        tensor_amax = tensor_amax.reshape(1).float()
     seed, noise_bits = 0, 1
     if fmt.stochastic:
         gen_device = generator.device if generator is not None else torch.device("cpu")

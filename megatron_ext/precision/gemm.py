@@ -29,7 +29,12 @@ weight is what backward keeps.
 Everything else stays high precision: the GEMM's output is in the operands' dtype (BF16 or
 FP32 — on hardware an FP32 accumulator written out in that dtype), the bias and its gradient
 are unquantized, and the weight handed in is the model's parameter, which megatron's optimizer
-keeps an FP32 master copy of. Stochastic-rounding formats (``+sr``, SNIP's FP4 ``dy``) draw
+keeps an FP32 master copy of. Under tensor parallelism each rank quantizes its shard; a format
+with one scale for the whole tensor (``fp8_e4m3``, ``fp4_e2m1``; NVFP4's second level) takes
+the amax of the whole tensor, a MAX all-reduce over the TP group (Transformer Engine's amax
+reduction), so the shard is quantized as the unsharded tensor is. Block and tile scales are
+local to their blocks: equal to the unsharded tensor's wherever no block straddles a shard
+edge. Stochastic-rounding formats (``+sr``, SNIP's FP4 ``dy``) draw
 from torch's default generator, whose state the checkpoint saves.
 
 The backward is *not* autograd of the quantized forward: with straight-through estimators
@@ -40,62 +45,78 @@ along N and T. Each gradient here is exactly the product its GEMM row above name
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.formats import Format, fake_quant
+from megatron_ext.formats.amax import finite_amax
 from megatron_ext.precision.sites import GemmOperands
 
 
-def quantize(t: torch.Tensor, fmt: Format | None, axis: int) -> torch.Tensor:
+def quantize(t: torch.Tensor, fmt: Format | None, axis: int, group=None) -> torch.Tensor:
     """``fake_quant(t, fmt, axis=axis)``; ``t`` itself for passthrough and for a cast that
-    cannot change ``t`` (to its own dtype, or to FP32 from BF16/FP16)."""
+    cannot change ``t`` (to its own dtype, or to FP32 from BF16/FP16). ``group``: the
+    tensor-parallel group ``t`` may be a shard over (see :func:`whole_tensor_amax`)."""
     if fmt is None:
         return t
     cast = getattr(fmt.element, "dtype", None)  # set for the IEEE casts only
     if cast is not None and torch.promote_types(t.dtype, cast) == cast:
         return t
-    return fake_quant(t, fmt, axis=axis)
+    return fake_quant(t, fmt, axis=axis, tensor_amax=whole_tensor_amax(t, fmt, group))
+
+
+def whole_tensor_amax(t: torch.Tensor, fmt: Format, group) -> torch.Tensor | None:
+    """The largest finite magnitude over every rank's ``t`` in ``group`` when ``fmt`` has a
+    tensor-wide scale and the group has several ranks (a collective: every rank of the group
+    calls it for the same operand); None otherwise. A replicated operand gets its own amax."""
+    if group is None or not fmt.scaling.reads_tensor_amax or dist.get_world_size(group) == 1:
+        return None
+    amax = finite_amax(t, tuple(range(t.ndim)), keepdim=False)[0].float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
 
 
 class QuantizedGemm(torch.autograd.Function):
     """``y = x @ w.T + b`` with the operand formats of one site (see the module docstring).
 
     ``x`` may have leading dims (megatron passes ``[s, b, K]``); ``ops`` is read when the
-    function is applied, so changing a layer's formats between steps needs no rebuild.
+    function is applied, so changing a layer's formats between steps needs no rebuild;
+    ``group`` is the layer's tensor-parallel group (None without TP).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                ops: GemmOperands) -> torch.Tensor:
-        w_fprop = quantize(weight, ops.fprop_w, axis=1)
-        output = torch.matmul(quantize(x, ops.fprop_x, axis=-1), w_fprop.t())
+                ops: GemmOperands, group=None) -> torch.Tensor:
+        w_fprop = quantize(weight, ops.fprop_w, axis=1, group=group)
+        output = torch.matmul(quantize(x, ops.fprop_x, axis=-1, group=group), w_fprop.t())
         if bias is not None:
             output = output + bias
-        ctx.ops, ctx.use_bias = ops, bias is not None
+        ctx.ops, ctx.group, ctx.use_bias = ops, group, bias is not None
         ctx.save_for_backward(x, w_fprop if ops.dgrad_reuses_fprop_w else weight)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x, w = ctx.saved_tensors
-        ops = ctx.ops
+        ops, group = ctx.ops, ctx.group
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             # w along N = w.T (K, N) along its last dim; .t() of a passthrough w.t() is w
-            w_dgrad = w if ops.dgrad_reuses_fprop_w else quantize(w.t(), ops.dgrad_w, -1).t()
-            grad_input = torch.matmul(quantize(grad_output, ops.dgrad_dy, axis=-1), w_dgrad)
+            w_dgrad = (w if ops.dgrad_reuses_fprop_w
+                       else quantize(w.t(), ops.dgrad_w, -1, group).t())
+            grad_input = torch.matmul(quantize(grad_output, ops.dgrad_dy, -1, group), w_dgrad)
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
         if ctx.needs_input_grad[1]:
             # along T: quantize dy.T (N, T) and x.T (K, T) along their last dim, which
             # fake_quant does without transposing its result back
             x2 = x.contiguous().view(-1, x.shape[-1])
-            grad_weight = torch.matmul(quantize(dy.t(), ops.wgrad_dy, axis=-1),
-                                       quantize(x2.t(), ops.wgrad_x, axis=-1).t())
+            grad_weight = torch.matmul(quantize(dy.t(), ops.wgrad_dy, -1, group),
+                                       quantize(x2.t(), ops.wgrad_x, -1, group).t())
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 def quantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   ops: GemmOperands) -> torch.Tensor:
+                   ops: GemmOperands, group=None) -> torch.Tensor:
     """Apply :class:`QuantizedGemm` (autograd functions take no keywords)."""
-    return QuantizedGemm.apply(x, weight, bias, ops)
+    return QuantizedGemm.apply(x, weight, bias, ops, group)

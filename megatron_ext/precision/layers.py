@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -71,7 +72,7 @@ class QuantizedLinear:
         recipe = te.device_recipe(self.formats, input) if self.te_allowed else None
         if recipe is not None:
             return te.te_linear(self, input, weight, kwargs["bias"], recipe)
-        return quantized_gemm(input, weight, kwargs["bias"], ops)
+        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"])
 
 
 def tp_input(input, kwargs: dict):
@@ -82,6 +83,14 @@ def tp_input(input, kwargs: dict):
     if kwargs["sequence_parallel"]:
         input = gather_from_sequence_parallel_region(input, True, group=group)
     return input
+
+
+def tp_group():
+    """megatron's tensor-parallel group when it has several ranks, else None: the group
+    observed passes take tensor-wide scales over, as the GEMM does with its layer's group."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 @lru_cache(maxsize=None)

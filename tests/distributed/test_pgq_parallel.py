@@ -5,15 +5,20 @@ split. Where they do, the profile says so in its metadata and the values differ:
 the sharded GEMM itself would see.
 
 Which operands must agree (``comparable``): a replicated one (every rank holds the whole
-tensor); one split along another axis than the one it is quantized along, except under NVFP4
-(its tensor scale is per shard); one split along its quantization axis only for block-local
-formats (1x128 tiles, 128x128 blocks, MX blocks: every block inside one shard with these
-shapes), not for int8's per-row scale. Sequence-parallel shards of the embedding's ``dy`` (64
-tokens) cut the 128-token tiles: not comparable. Round-to-nearest operands agree to float32
-summation order (measured <= 1e-6 for FP8 / MX / int8; 1.5e-5 for NVFP4, whose coarse E4M3
-block scale can flip on a 1e-7 difference and move a whole block: 1e-4 allowed);
-stochastic-rounding ones (``dy`` of int8 / NVFP4 / MXFP4 / FP4) draw other numbers and agree
-statistically (measured <= 5 %, 10 % allowed)."""
+tensor); one with one scale for the whole tensor (FP8 / FP4 per tensor; NVFP4's second level),
+which every rank takes from the whole tensor's amax (a MAX all-reduce over the TP group, as the
+quantized GEMM does); one split along another axis than the one it is quantized along; one
+split along its quantization axis only for block-local formats (1x128 tiles, 128x128 blocks,
+MX and NVFP4 blocks: every block inside one shard with these shapes), not for int8's per-row
+scale. Sequence-parallel shards of the embedding's ``dy`` (64 tokens) cut the 128-token tiles:
+not comparable. Round-to-nearest operands agree to float32 summation order (measured <= 1e-6
+for FP8 / MX / int8, 1e-4 allowed; up to 1.7e-4 for NVFP4, whose coarse E4M3 block scale can
+flip on a 1e-7 difference and move a whole block — one of the logits ``x``'s 8192 blocks is
+~1.2e-4 of its noise: 1e-3 allowed); stochastic-rounding ones (``dy`` of int8 /
+NVFP4 / MXFP4 / FP4) draw other numbers and agree statistically (measured <= 5 %, 10 %
+allowed) — except NVFP4's on the logits' ``dy``, whose SQNR moves by +-15 % from one draw to the
+next in a single process (a few ``p - 1`` entries per token set its E4M3 block scales and the
+many tiny probabilities round to 0 or one step: heavy-tailed errors), so it is not compared."""
 
 import pytest
 
@@ -48,13 +53,13 @@ def profiles(tmp_path_factory):
 
 
 def _block_local(fmt: str) -> bool:
-    return "@tile" in fmt or "@block" in fmt or fmt.startswith("mx")
+    return "@tile" in fmt or "@block" in fmt or fmt.startswith(("mx", "nvfp4"))
 
 
 def comparable(gemm, sharded: str | None, fmt: str) -> bool:
-    if sharded is None:
+    if sharded is None or get_format(fmt).scaling.rows is None:
         return True
-    if sharded == "T" or fmt.startswith("nvfp4"):
+    if sharded == "T":
         return False
     return sharded != gemm.contracting or _block_local(fmt)
 
@@ -76,7 +81,10 @@ def test_tp2_profile_equals_the_single_process_one(profiles, layout):
                         per_shard.append(abs(got / expect - 1))
                     continue
                 stochastic = get_format(fmt).stochastic
-                assert got == pytest.approx(expect, rel=0.1 if stochastic else 1e-4), \
+                if stochastic and fmt.startswith("nvfp4") and g2.site == "logits":
+                    continue
+                rel = 0.1 if stochastic else (1e-3 if fmt.startswith("nvfp4") else 1e-4)
+                assert got == pytest.approx(expect, rel=rel), \
                     (g2.name, role, cand)
                 checked[stochastic] += 1
     assert checked[False] > 250 and checked[True] > 100

@@ -41,7 +41,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_ext.methods.pgq.profile import EMBEDDING, LOGITS, GemmProfile, Profile, gemm_list
 from megatron_ext.methods.pgq.sqnr import TRANSPOSED, noise_sums, oriented, sqnr
 from megatron_ext.precision.cost import ModelShape
-from megatron_ext.precision.layers import quantized_linears, tp_input
+from megatron_ext.precision.layers import quantized_linears, tp_group, tp_input
 from megatron_ext.precision.observe import observed_pass
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.training.distributed import device
@@ -50,16 +50,18 @@ from megatron_ext.training.distributed import device
 class GemmObserver:
     """The sums of one layer's GEMM operands over a profile (module docstring)."""
 
-    def __init__(self, candidates: dict[str, SiteFormats]):
+    def __init__(self, candidates: dict[str, SiteFormats], group=None):
         self.candidates = candidates
         """Candidate name -> role formats."""
+        self.group = group
+        """The TP group the observed operands may be shards over (None without TP)."""
         self.sums: dict[tuple[str, str], list[float]] = {}
         """(gemm, role) -> [‖t‖², ‖Q_c(t) − t‖² for each candidate c]."""
         self.weight_seen = False
 
     def add(self, gemm: str, role: str, t: torch.Tensor, transposed: bool) -> None:
         formats = {c: f.operand(gemm, role) for c, f in self.candidates.items()}
-        signal, noise = noise_sums(oriented(t, transposed), formats)
+        signal, noise = noise_sums(oriented(t, transposed), formats, self.group)
         acc = self.sums.setdefault((gemm, role), [0.0] * (1 + len(formats)))
         for i, value in enumerate((signal, *noise.values())):
             acc[i] += value
@@ -160,8 +162,9 @@ def collect_profile(args, run, state, steps: int, candidates: dict[str, SiteForm
                     ) -> Profile:
     """Profile the ``steps`` global batches training consumes next (``state``: the loop's
     TrainState) on every rank; every rank returns the same :class:`Profile`."""
-    sites = {sid: GemmObserver(candidates) for sid in quantized_linears(run.model)}
-    head = {LOGITS: GemmObserver(candidates), EMBEDDING: GemmObserver(candidates)}
+    group = tp_group()
+    sites = {sid: GemmObserver(candidates, group) for sid in quantized_linears(run.model)}
+    head = {LOGITS: GemmObserver(candidates, group), EMBEDDING: GemmObserver(candidates, group)}
     losses = []
     with head_observed(run.model, head[LOGITS], head[EMBEDDING]):
         for k in range(steps):

@@ -77,7 +77,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 
 from megatron_ext.formats import get_format
 from megatron_ext.precision.gemm import quantize
-from megatron_ext.precision.layers import tp_input
+from megatron_ext.precision.layers import tp_group, tp_input
 from megatron_ext.precision.sites import PASSTHROUGH
 
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
@@ -98,11 +98,12 @@ def _rows_sq(t: torch.Tensor) -> torch.Tensor:
     return t.detach().double().reshape(-1, t.shape[-1]).square().sum(-1)
 
 
-def _error(t: torch.Tensor, name: str, axis: int) -> torch.Tensor:
-    """``q(t) - t`` for format ``name`` along ``axis`` (the GEMM's reduction axis)."""
+def _error(t: torch.Tensor, name: str, axis: int, group) -> torch.Tensor:
+    """``q(t) - t`` for format ``name`` along ``axis`` (the GEMM's reduction axis), a
+    tensor-wide scale from the whole tensor over the TP ``group`` as the GEMM takes it."""
     if name == PASSTHROUGH:
         return torch.zeros_like(t)
-    return quantize(t, get_format(name), axis=axis) - t
+    return quantize(t, get_format(name), axis=axis, group=group) - t
 
 
 def _norm_gain(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -129,6 +130,8 @@ class SiteObserver:
         """Relative noise std at the noise site (0: this is not the noise site)."""
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.group = tp_group()
+        """The TP group (None without TP): tensor-wide scales are taken over it."""
         self.dp = parallel_state.get_data_parallel_world_size()
         self.mode = BASE
         self.sample_offsets: list[int] = []
@@ -186,7 +189,8 @@ class SiteObserver:
         if self.mode != BASE:
             return None
         partial = not self.column
-        rows = [_rows_sq(x)] + [_rows_sq(_error(x, f, -1)) for f in self.candidates["x"]]
+        errors = [_rows_sq(_error(x, f, -1, self.group)) for f in self.candidates["x"]]
+        rows = [_rows_sq(x), *errors]
         rows = self._tp_complete(torch.stack(rows), partial)
         rep = 1.0 / self.tp if self.x_rows_replicated else 1.0
         self._add("xx", rows[0], rep=rep)
@@ -232,14 +236,14 @@ class SiteObserver:
         self._dycol = col if self._dycol is None else self._dycol + col
         x_sq, dy_sq = x2.detach().double().square(), dy2.detach().double().square() / self.dp ** 2
         for f in self.candidates["dy"]:
-            dgrad_sq = _error(dy2, f, -1).double().square() / self.dp ** 2
+            dgrad_sq = _error(dy2, f, -1, self.group).double().square() / self.dp ** 2
             self._add("Bdy", dgrad_sq.sum(1), f, rep_dy)
             self._dy_error_col[f] = self._dy_error_col[f] + dgrad_sq.sum(0)
-            err_sq = _error(dy2.t(), f, -1).t().double().square() / self.dp ** 2
+            err_sq = _error(dy2.t(), f, -1, self.group).t().double().square() / self.dp ** 2
             self._add("Gdy", err_sq.sum(1) * x_rows, f)
             self._var_dy[f] = self._var_dy[f] + err_sq.t() @ x_sq
         for f in self.candidates["x"]:
-            err_sq = _error(x2.t(), f, -1).t().double().square()
+            err_sq = _error(x2.t(), f, -1, self.group).t().double().square()
             self._add("Gx", err_sq.sum(1) * dy_rows, f)
             self._var_x[f] = self._var_x[f] + dy_sq.t() @ err_sq
 
@@ -333,8 +337,8 @@ class SiteObserver:
         self._add("ww", w_rows, rep=rep)
         self._add("dwdw", dw_rows, rep=rep)
         for f in self.candidates["w"]:
-            fprop = self._tp_complete(_rows_sq(_error(w, f, 1)), partial)
-            dgrad = self._tp_complete(_rows_sq(_error(w.t(), f, -1).t()), partial)
+            fprop = self._tp_complete(_rows_sq(_error(w, f, 1, self.group)), partial)
+            dgrad = self._tp_complete(_rows_sq(_error(w.t(), f, -1, self.group).t()), partial)
             self._add("ew", fprop, f, rep)
             self._add("Lw", dw_rows * fprop, f, rep)
             # dy columns are summed over this rank's tokens (disjoint over DP)

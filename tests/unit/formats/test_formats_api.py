@@ -156,3 +156,23 @@ def test_modules_import_no_cycle_and_nothing_else_of_ours():
 
     for module in sorted(graph):
         visit(module)
+
+
+@pytest.mark.parametrize("name", ["fp4_e2m1", "fp8_e4m3", "nvfp4", "int8"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_shard_given_the_whole_tensors_amax_is_quantized_as_the_whole(name, axis):
+    """Tensor parallelism: two halves of a tensor, each quantized with the whole tensor's
+    amax, put back together are the whole tensor quantized, bit for bit; each half alone
+    (its own amax) is not, for one scale per tensor."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 96, generator=gen)
+    x[:, :48] *= 8  # the halves (along either dim) then have different amaxes
+    x[:32] *= 3
+    whole = fake_quant(x, name, axis=1)
+    amax = x.abs().max()
+    halves = x.chunk(2, dim=axis)
+    shared = torch.cat([fake_quant(h, name, axis=1, tensor_amax=amax) for h in halves], axis)
+    assert torch.equal(shared, whole)
+    own = torch.cat([fake_quant(h, name, axis=1) for h in halves], axis)
+    if get_format(name).scaling.rows is None:  # one scale per tensor: the split shows
+        assert not torch.equal(own, whole)

@@ -93,3 +93,12 @@ def test_stochastic_kernel_is_reproducible_per_seed():
     b = tk.fake_quant_2d(x, fmt, torch.Generator().manual_seed(5))
     c = tk.fake_quant_2d(x, fmt, torch.Generator().manual_seed(6))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_nvfp4_kernel_takes_a_given_tensor_amax():
+    """A TP shard's NVFP4 second-level scale from the whole tensor's amax, as in torch."""
+    fmt, x = get_format("nvfp4"), special_input((37, 300), torch.float32)
+    amax = torch.tensor(1e4)  # larger than x's own: another second-level scale
+    ref = fake_quant_2d(x, fmt, tensor_amax=amax)
+    assert_bits_equal(tk.fake_quant_2d(x, fmt, tensor_amax=amax), ref)
+    assert not torch.equal(ref.nan_to_num(), fake_quant_2d(x, fmt).nan_to_num())
