@@ -23,8 +23,9 @@ same GNMR columns. A rule's decision after step ``t`` sets the units of step ``t
     select the top-25 % high-risk blocks ... fixed and no further updates"). The warm-up is
     the first ``round(warmup_frac · T)`` iterations (the stage of the two-stage threshold
     schedule, 2.5 % by default; the paper's 500 steps are ~3 % of its 130M run); after its
-    last step the ``K`` units with the largest mean GNMR over the warm-up steps observed are
-    promoted for the rest of the run (ties: the deeper unit). Unlike the paper, the warm-up
+    last iteration the ``K`` units with the largest mean GNMR over the warm-up steps
+    observed (a skipped step is not) are promoted for the rest of the run (ties: the
+    deeper unit). Unlike the paper, the warm-up
     runs in the base plan's precision, not BF16, so it costs no promoted unit-steps.
 
 ``autoswitch``
