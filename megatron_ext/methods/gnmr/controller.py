@@ -196,7 +196,8 @@ class Decision:
     trace: dict
     """``{"step": t, "alpha": α_t, "beta": β_t, "units": {unit: {"norm", "agnm", "gnmr",
     "dgnmr", "high", "lock"}}}`` (non-finite numbers as ``None``; ``high`` / ``lock`` after
-    the decision); a non-finite step adds ``"nonfinite": true``."""
+    the decision); a non-finite step adds ``"nonfinite": true``; a baseline rule adds
+    ``"rule"``, and autoswitch per unit ``"underflow_pct"``, ``"mse"``, ``"rel_mse"``."""
     counts: dict = field(default_factory=dict)
     """Per-step counters, merged into the metrics record by :meth:`metrics`."""
 
