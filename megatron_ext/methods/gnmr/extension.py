@@ -97,7 +97,10 @@ class GnmrRun:
         self.config = flags.config_from_args(args)
         if self.config is not None:
             units = unit_ids(args.num_layers, self.config.granularity)
-            self.gnmr = GnmrController.create(self.config, units, args.train_iters)
+            try:
+                self.gnmr = GnmrController.create(self.config, units, args.train_iters)
+            except ValueError as exc:  # a setting that does not fit this run's length
+                raise UsageError(str(exc)) from None
             self.reader = NormReader(units, self.config.granularity)
             self.run_dir = args.run_dir
             if self.config.rule == "autoswitch":

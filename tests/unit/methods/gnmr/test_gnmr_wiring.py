@@ -130,3 +130,10 @@ def test_dry_run_bound_by_hand(tmp_path, capsys, extra, budget):
     plain = pretrain("llama", [a for a in TINY if a != "--gnmr"] + ["--dry-run"],
                      default_extensions())
     assert [s.memory.total for s in report.stages] == [s.memory.total for s in plain.stages]
+
+
+def test_static_topk_without_a_warmup_is_one_line():
+    """The warm-up length depends on --train-iters: refused when the run is validated."""
+    with pytest.raises(UsageError, match="^--gnmr-rule static-topk chooses after the warm-up"):
+        pretrain("llama", [*TINY, "--gnmr-rule", "static-topk", "--gnmr-warmup-frac", "0.01",
+                           "--train-iters", "20", "--dry-run"], default_extensions())
