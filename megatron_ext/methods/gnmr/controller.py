@@ -39,6 +39,16 @@ an excess) reproduce its trigger rates on measured gradient norms (``docs/gnmr.m
 Algorithm 1 does not observe the step and no lock counts down; the units whose norms are
 non-finite are promoted (or, if every norm is finite, the one unit whose norm is largest
 relative to its running mean), with a full lock and top priority in the budget.
+
+**Baseline rules** (``--gnmr-rule first-last | static-topk | autoswitch``, :mod:`.rules`)
+replace Algorithm 2's decision: Algorithm 1 still runs (the trace keeps its columns), the
+rule returns the units of the next step, and neither lock nor budget applies. On a skipped
+step a static rule keeps its set and ``autoswitch`` decides from that step's statistics.
+
+**Promoted unit-steps.** Every decision adds the units that *ran* high in the step just
+decided on (the set the previous decision chose) to ``unit_steps_high``, so after step ``t``
+the promoted fraction is ``unit_steps_high / (units · t)`` — the budget the comparison of
+rules matches (metrics ``gnmr_unit_steps_high``, ``gnmr_units``).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_ext.methods.gnmr.algorithm import GnmrState, Metrics
+from megatron_ext.methods.gnmr.rules import RULES, OperandStats, make_rule
 from megatron_ext.methods.gnmr.units import GRANULARITIES
 
 COMPARES = ("ratio", "excess")
@@ -90,6 +101,18 @@ class GnmrConfig:
     compare: str = "ratio"
     """``--gnmr-compare``: ``ratio`` (metric > threshold) or ``excess`` (metric - 1 >
     threshold)."""
+    rule: str = "gnmr"
+    """``--gnmr-rule``: who decides the promotions: ``gnmr`` (Algorithm 2) or a baseline,
+    ``first-last``, ``static-topk``, ``autoswitch`` (:mod:`.rules`)."""
+    topk: int | None = None
+    """``--gnmr-topk``: K, the units ``first-last`` / ``static-topk`` hold high (None: maxO
+    as a count, :meth:`budget`)."""
+    autoswitch_underflow_pct: float = 5.0
+    """``--gnmr-autoswitch-underflow-pct``: ``autoswitch`` promotes a unit whose operand
+    underflow exceeds this percentage (TE AutoswitchGemm's default)."""
+    autoswitch_mse: float = 1e-4
+    """``--gnmr-autoswitch-mse``: ``autoswitch`` promotes a unit whose operand quantization
+    MSE exceeds this (TE AutoswitchGemm's default)."""
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
@@ -107,6 +130,16 @@ class GnmrConfig:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"--gnmr-{name.replace('_', '-')} must be a number > 0, "
                                  f"got {value!r}")
+        if self.rule not in RULES:
+            raise ValueError(f"--gnmr-rule must be one of {RULES}, got {self.rule!r}")
+        if self.topk is not None and (isinstance(self.topk, bool)
+                                      or not isinstance(self.topk, int) or self.topk < 0):
+            raise ValueError(f"--gnmr-topk must be an integer >= 0, got {self.topk!r}")
+        for name in ("autoswitch_underflow_pct", "autoswitch_mse"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"--gnmr-{name.replace('_', '-')} must be a number >= 0, "
+                                 f"got {value!r}")
         if not 0 <= self.warmup_frac <= 1:
             raise ValueError(f"--gnmr-warmup-frac must be in [0, 1], got {self.warmup_frac}")
         _check_max_promoted(self.max_promoted)
@@ -117,10 +150,13 @@ class GnmrConfig:
             return max(1, math.floor(self.max_promoted * units + 1e-9))
         return min(self.max_promoted, units)
 
+    def warmup(self, total_steps: int) -> int:
+        """Iterations of the warm-up stage of a ``total_steps`` run (nearest, halves up)."""
+        return math.floor(self.warmup_frac * total_steps + 0.5)
+
     def thresholds(self, iteration: int, total_steps: int) -> tuple[float, float]:
         """``(α_t, β_t)`` at training iteration ``iteration`` (1-based) of ``total_steps``."""
-        warmup = math.floor(self.warmup_frac * total_steps + 0.5)
-        if iteration <= warmup:
+        if iteration <= self.warmup(total_steps):
             return float(self.alpha_init), float(self.beta_init)
         return float(self.alpha), float(self.beta)
 
@@ -160,7 +196,8 @@ class Decision:
     trace: dict
     """``{"step": t, "alpha": α_t, "beta": β_t, "units": {unit: {"norm", "agnm", "gnmr",
     "dgnmr", "high", "lock"}}}`` (non-finite numbers as ``None``; ``high`` / ``lock`` after
-    the decision); a non-finite step adds ``"nonfinite": true``."""
+    the decision); a non-finite step adds ``"nonfinite": true``; a baseline rule adds
+    ``"rule"``, and autoswitch per unit ``"underflow_pct"``, ``"mse"``, ``"rel_mse"``."""
     counts: dict = field(default_factory=dict)
     """Per-step counters, merged into the metrics record by :meth:`metrics`."""
 
@@ -172,6 +209,14 @@ class Decision:
 
 def _num(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
+
+
+def _stats_entry(stats: OperandStats | None, i: int) -> dict:
+    """Unit ``i``'s operand statistics for its trace entry (none without them)."""
+    if stats is None:
+        return {}
+    return {"underflow_pct": _num(stats.underflow_pct[i]), "mse": _num(stats.mse[i]),
+            "rel_mse": _num(stats.rel_mse[i])}
 
 
 @dataclass(eq=False)
@@ -194,6 +239,10 @@ class GnmrController:
     risk: np.ndarray
     """Per unit: risk at the last decision (+inf for a non-finite promotion); the budget's
     ranking of units already high when a non-finite step comes."""
+    rule: object = None
+    """The baseline rule deciding instead of Algorithm 2 (:mod:`.rules`; None: ``gnmr``)."""
+    unit_steps_high: int = 0
+    """Units that ran high, summed over the steps decided on so far."""
 
     @classmethod
     def create(cls, config: GnmrConfig, units: Sequence[str], total_steps: int):
@@ -202,8 +251,12 @@ class GnmrController:
         if not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
         n = len(units)
+        k = config.budget(n) if config.topk is None else min(config.topk, n)
+        rule = make_rule(config.rule, units, k, config.warmup(total_steps),
+                         config.autoswitch_underflow_pct, config.autoswitch_mse)
+        high = np.zeros(n, dtype=bool) if rule is None else rule.initial()
         return cls(config, tuple(units), total_steps, GnmrState.zeros(n, config.delta),
-                   np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64), np.zeros(n))
+                   high, np.zeros(n, dtype=np.int64), np.zeros(n), rule)
 
     @property
     def promoted(self) -> tuple[str, ...]:
@@ -213,10 +266,14 @@ class GnmrController:
     def _v(self, metric: np.ndarray) -> np.ndarray:
         return metric if self.config.compare == "ratio" else metric - 1.0
 
-    def step(self, iteration: int, norms) -> Decision:
-        """Observe step ``iteration``'s unit norms (finite, one per unit) and decide."""
+    def step(self, iteration: int, norms, stats: OperandStats | None = None) -> Decision:
+        """Observe step ``iteration``'s unit norms (finite, one per unit) and decide;
+        ``stats``: the step's operand statistics (needed by ``--gnmr-rule autoswitch``)."""
         alpha, beta = self.config.thresholds(iteration, self.total_steps)
         m = self.state.update(norms)
+        if self.rule is not None:
+            header = {"step": iteration, "rule": self.rule.name, "alpha": alpha, "beta": beta}
+            return self._rule_decision(header, m, self.rule.decide(iteration, m, stats), stats)
         over_alpha = self._v(m.gnmr) > alpha
         over_beta = self._v(m.dgnmr) > beta
         triggered = over_alpha | over_beta
@@ -228,14 +285,22 @@ class GnmrController:
         header = {"step": iteration, "alpha": alpha, "beta": beta}
         return self._commit(header, high, lock, triggered, risk, m, counts)
 
-    def on_nonfinite(self, iteration: int, norms) -> Decision:
+    def on_nonfinite(self, iteration: int, norms,
+                     stats: OperandStats | None = None) -> Decision:
         """Step ``iteration`` had non-finite gradients and was skipped: promote the units
         whose norms are non-finite or, if all are finite, the one with the largest norm
         relative to its running mean (raw norm before any history). Algorithm 1's state and
-        the locks of other units are left as they were."""
+        the locks of other units are left as they were. (A baseline rule decides instead,
+        module docstring.)"""
         n = np.array(norms, dtype=np.float64)
         if n.shape != (len(self.units),):
             raise ValueError(f"expected {len(self.units)} norms, got shape {n.shape}")
+        if self.rule is not None:
+            empty = np.full(len(n), np.nan)
+            m = Metrics(n, self.state.agnm.copy(), empty, empty)
+            header = {"step": iteration, "rule": self.rule.name, "nonfinite": True}
+            high = self.rule.decide(iteration, None, stats)
+            return self._rule_decision(header, m, high, stats)
         new = ~np.isfinite(n)
         if not new.any():
             new = np.zeros_like(new)
@@ -248,6 +313,13 @@ class GnmrController:
         return self._commit(header, self.high | new, lock, new, risk, m,
                             {"gnmr_nonfinite_units": int((~np.isfinite(n)).sum())})
 
+    def _rule_decision(self, header, m: Metrics, high, stats) -> Decision:
+        """Commit a baseline rule's set: no lock, no budget, the rule's counters."""
+        n = len(self.units)
+        counts = dict(getattr(self.rule, "last", {}))
+        return self._commit(header, high, np.zeros(n, dtype=np.int64), high, np.zeros(n), m,
+                            counts, budget=n, stats=stats)
+
     def _relative(self, n: np.ndarray) -> np.ndarray:
         if self.state.t == 0:
             return n
@@ -255,10 +327,15 @@ class GnmrController:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(agnm > 0, n / agnm, np.where(n > 0, np.inf, 0.0))
 
-    def _commit(self, header, high, lock, first, risk, m: Metrics, counts) -> Decision:
+    def _commit(self, header, high, lock, first, risk, m: Metrics, counts, budget=None,
+                stats: OperandStats | None = None) -> Decision:
         """Apply the budget (rank: ``first``, then risk, then depth), store, report."""
         high, lock = high.copy(), lock.copy()
-        budget = self.config.budget(len(self.units))
+        if budget is None:
+            budget = self.config.budget(len(self.units))
+        self.unit_steps_high += int(self.high.sum())  # the units that ran this step high
+        counts["gnmr_unit_steps_high"] = self.unit_steps_high
+        counts["gnmr_units"] = len(self.units)
         wanting = np.flatnonzero(high)
         counts["gnmr_budget_dropped"] = max(len(wanting) - budget, 0)
         if len(wanting) > budget:
@@ -270,7 +347,8 @@ class GnmrController:
         self.high, self.lock, self.risk = high, lock.astype(np.int64), risk
         trace = {**header, "units": {
             unit: {"norm": _num(m.norm[i]), "agnm": _num(m.agnm[i]), "gnmr": _num(m.gnmr[i]),
-                   "dgnmr": _num(m.dgnmr[i]), "high": bool(high[i]), "lock": int(lock[i])}
+                   "dgnmr": _num(m.dgnmr[i]), "high": bool(high[i]), "lock": int(lock[i]),
+                   **_stats_entry(stats, i)}
             for i, unit in enumerate(self.units)}}
         return Decision(header["step"], self.promoted, promotions, demotions, trace, counts)
 
@@ -278,15 +356,24 @@ class GnmrController:
         """Everything a resume needs, as plain Python data (exact float64 round trip)."""
         return {"version": 1, "units": list(self.units), "algorithm": self.state.state_dict(),
                 "high": self.high.tolist(), "lock": self.lock.tolist(),
-                "risk": self.risk.tolist()}
+                "risk": self.risk.tolist(), "rule": self.config.rule,
+                "rule_state": self.rule.state_dict() if self.rule else {},
+                "unit_steps_high": self.unit_steps_high}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (units and δ must match this run; the
-        thresholds, lock length and budget may differ)."""
+        """Restore :meth:`state_dict`'s output (units, δ and the rule must match this run;
+        the thresholds, lock length and budget may differ). A state written before the
+        rules existed is ``gnmr``'s, with no unit-steps counted."""
         if state.get("version") != 1 or list(state.get("units", ())) != list(self.units):
             raise ValueError("GNMR checkpoint state is for other units (or another version) "
                              "than this run's")
+        if state.get("rule", "gnmr") != self.config.rule:
+            raise ValueError(f"GNMR checkpoint state is for --gnmr-rule "
+                             f"{state.get('rule', 'gnmr')}, this run has {self.config.rule}")
         self.state.load_state_dict(state["algorithm"])
+        if self.rule is not None:
+            self.rule.load_state_dict(state["rule_state"])
+        self.unit_steps_high = int(state.get("unit_steps_high", 0))
         self.high = np.array(state["high"], dtype=bool)
         self.lock = np.array(state["lock"], dtype=np.int64)
         self.risk = np.array(state["risk"], dtype=np.float64)

@@ -21,8 +21,15 @@ faults, SNIP, GNMR, ..., the precision platform last):
    (:meth:`.grads.NormReader.reduce`), :meth:`GnmrController.step` decides the units of step
    ``t + 1``; rank 0 appends the decision's line to ``<run dir>/gnmr/trace.jsonl`` (strict
    JSON, flushed) and the step's metrics get ``gnmr_units_high``, ``gnmr_promotions``,
-   ``gnmr_demotions`` (+ the controller's counters) and ``gnmr_s``, the seconds GNMR took
-   in this step (steps 1-3).
+   ``gnmr_demotions``, the cumulative ``gnmr_unit_steps_high`` with ``gnmr_units`` (the
+   promoted fraction so far is their ratio over the step), the controller's counters and
+   ``gnmr_s``, the seconds GNMR took in this step (steps 1-3).
+
+Under ``--gnmr-rule autoswitch`` hooks on the quantized linears also sum each low-precision
+operand's quantization statistics during the step (:mod:`.operand_stats`, reset in
+``before_step``), reduced in ``on_step`` by a second all-reduce; their cost is inside the
+forward / backward, not in ``gnmr_s``. The other baselines (:mod:`.rules`) need only the
+norms.
 
 A skipped step (non-finite loss or gradients: the optimizer never ran, so nothing was
 measured) is measured in ``on_nonfinite`` straight from the unclipped buffers and handled by
@@ -49,9 +56,11 @@ from megatron_ext.extension import Extension
 from megatron_ext.methods.gnmr import dry_run, flags
 from megatron_ext.methods.gnmr.controller import Decision, GnmrConfig, GnmrController
 from megatron_ext.methods.gnmr.grads import NormReader
+from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector
 from megatron_ext.methods.gnmr.promote import promotion_overlay
 from megatron_ext.methods.gnmr.units import unit_ids
 from megatron_ext.precision.controller import PlanController
+from megatron_ext.sites import all_site_ids
 
 OWNER, OVERLAY = "gnmr", "promotions"
 """The plan controller overlay GNMR owns."""
@@ -81,14 +90,22 @@ class GnmrRun:
         """The open trace file (rank 0, once written)."""
         self.run_dir: str | None = None
         """``--run-dir`` (the trace goes under it; None: no trace)."""
+        self.stats: OperandStatsCollector | None = None
+        """Operand statistics of each step (``--gnmr-rule autoswitch`` only)."""
 
     def validate(self, args) -> None:
         self.config = flags.config_from_args(args)
         if self.config is not None:
             units = unit_ids(args.num_layers, self.config.granularity)
-            self.gnmr = GnmrController.create(self.config, units, args.train_iters)
+            try:
+                self.gnmr = GnmrController.create(self.config, units, args.train_iters)
+            except ValueError as exc:  # a setting that does not fit this run's length
+                raise UsageError(str(exc)) from None
             self.reader = NormReader(units, self.config.granularity)
             self.run_dir = args.run_dir
+            if self.config.rule == "autoswitch":
+                self.stats = OperandStatsCollector(self.plans, all_site_ids(args.num_layers),
+                                                   units, self.config.granularity)
 
     # -- hooks ---------------------------------------------------------------------------
     def wrap_optimizer(self, args, model, optimizer):
@@ -109,11 +126,15 @@ class GnmrRun:
     def after_setup(self, args, run, state) -> None:
         if self.config is not None:
             run.checkpointer.register(OWNER, self)
+        if self.stats is not None:
+            self.stats.attach(run.model)
 
     def before_step(self, args, run, state) -> None:
         start = time.perf_counter()
         if self.config is not None:
             self._lay()
+            if self.stats is not None:
+                self.stats.reset(state.iteration)
         elif (stale := self.plans.overlay(OWNER, OVERLAY)) is not None and stale.sites:
             self.plans.set_overlay(OWNER, OVERLAY, {}, rule="raise")
             if dist.get_rank() == 0:
@@ -137,7 +158,8 @@ class GnmrRun:
         if measured is None:
             raise RuntimeError("gnmr: the optimizer step ran without measuring the gradient "
                                "norms (was the optimizer replaced after wrap_optimizer?)")
-        decision = self.gnmr.step(state.iteration, self.reader.reduce(measured))
+        decision = self.gnmr.step(state.iteration, self.reader.reduce(measured),
+                                  self._operand_stats())
         return self._report(decision, start)
 
     def on_nonfinite(self, args, run, state) -> dict | None:
@@ -146,7 +168,12 @@ class GnmrRun:
         start = time.perf_counter()
         self.measured = None
         norms = self.reader.reduce(self.reader.measure(run.model))
-        return self._report(self.gnmr.on_nonfinite(state.iteration, norms), start)
+        return self._report(self.gnmr.on_nonfinite(state.iteration, norms,
+                                                   self._operand_stats()), start)
+
+    def _operand_stats(self):
+        """This step's reduced operand statistics (autoswitch; None otherwise). Collective."""
+        return self.stats.reduce() if self.stats is not None else None
 
     def on_train_end(self, args, run, state) -> None:
         if self.trace is not None:

@@ -14,6 +14,7 @@ import dataclasses
 from megatron_ext.errors import UsageError
 from megatron_ext.methods.gnmr.controller import COMPARES, HIGH_CHOICES, GnmrConfig, \
     parse_max_promoted
+from megatron_ext.methods.gnmr.rules import RULES
 from megatron_ext.methods.gnmr.units import GRANULARITIES
 
 DEFAULTS = GnmrConfig()
@@ -57,11 +58,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gnmr-compare", choices=COMPARES,
                    help=f"trigger on metric > threshold (ratio) or metric - 1 > threshold "
                         f"(excess) (default {d.compare})")
+    g.add_argument("--gnmr-rule", choices=RULES,
+                   help=f"who picks the promoted units: gnmr (Algorithm 2), or a baseline: "
+                        f"first-last (the K units nearest the ends, whole run), static-topk "
+                        f"(the K largest mean GNMR over the warm-up, fixed after it), "
+                        f"autoswitch (TE AutoswitchGemm: a unit whose operand underflow or "
+                        f"MSE is over its threshold runs the next step high) "
+                        f"(default {d.rule})")
+    g.add_argument("--gnmr-topk", type=int, metavar="K",
+                   help="units first-last / static-topk hold high (default: maxO, "
+                        "--gnmr-max-promoted, as a count)")
+    g.add_argument("--gnmr-autoswitch-underflow-pct", type=float, metavar="P",
+                   help=f"autoswitch: promote when an operand's underflow (percent of its "
+                        f"elements flushed to zero) exceeds P (default "
+                        f"{d.autoswitch_underflow_pct}, TE's)")
+    g.add_argument("--gnmr-autoswitch-mse", type=float, metavar="E",
+                   help=f"autoswitch: promote when an operand's quantization MSE exceeds E "
+                        f"(default {d.autoswitch_mse}, TE's)")
 
 
 def config_from_args(args: argparse.Namespace) -> GnmrConfig | None:
     """The run's settings, None without ``--gnmr``; ``UsageError`` (one line) for a bad flag,
-    a ``--gnmr-*`` flag without ``--gnmr``, or ``--gnmr`` without a precision plan."""
+    a ``--gnmr-*`` flag without ``--gnmr``, a rule's flag with another rule, or ``--gnmr``
+    without a precision plan."""
     given = {f.name: getattr(args, "gnmr_" + f.name) for f in dataclasses.fields(GnmrConfig)
              if hasattr(args, "gnmr_" + f.name)}
     if not args.gnmr:
@@ -74,6 +93,13 @@ def config_from_args(args: argparse.Namespace) -> GnmrConfig | None:
     if args.use_torch_fsdp2 or args.use_megatron_fsdp:
         raise UsageError("--gnmr reads megatron DDP's gradient buffers: it does not run with "
                          "--use-torch-fsdp2 / --use-megatron-fsdp")
+    rule = given.get("rule", DEFAULTS.rule)
+    for field, rules in (("topk", ("first-last", "static-topk")),
+                         ("autoswitch_underflow_pct", ("autoswitch",)),
+                         ("autoswitch_mse", ("autoswitch",))):
+        if field in given and rule not in rules:
+            raise UsageError(f"{_flag(field)} is for --gnmr-rule {' / '.join(rules)}, "
+                             f"not {rule}")
     try:
         if "max_promoted" in given:
             given["max_promoted"] = parse_max_promoted(given["max_promoted"])

@@ -63,6 +63,12 @@ def test_flags_make_the_config():
         (3, 1.5, "excess", "site")
     assert config.lock == 10 and config.beta == 1.5  # the rest: GnmrConfig's defaults
     assert _parse(["--gnmr", "--gnmr-max-promoted", "0.5"]).max_promoted == 0.5
+    config = _parse(["--gnmr", "--gnmr-rule", "static-topk", "--gnmr-topk", "2"])
+    assert (config.rule, config.topk) == ("static-topk", 2)
+    config = _parse(["--gnmr", "--gnmr-rule", "autoswitch", "--gnmr-autoswitch-mse", "0.01",
+                     "--gnmr-autoswitch-underflow-pct", "50"])
+    assert (config.autoswitch_mse, config.autoswitch_underflow_pct) == (0.01, 50.0)
+    assert _parse(["--gnmr"]).rule == "gnmr"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -73,6 +79,13 @@ def test_flags_make_the_config():
     (["--gnmr", "--gnmr-max-promoted", "1.5"], "--gnmr-max-promoted fraction must be in (0, 1]"),
     (["--gnmr", "--gnmr-alpha", "-1"], "--gnmr-alpha must be a number > 0"),
     (["--gnmr", "--gnmr-warmup-frac", "2"], "--gnmr-warmup-frac must be in [0, 1]"),
+    (["--gnmr", "--gnmr-topk", "2"], "--gnmr-topk is for --gnmr-rule first-last / static-topk"),
+    (["--gnmr", "--gnmr-rule", "first-last", "--gnmr-autoswitch-mse", "1"],
+     "--gnmr-autoswitch-mse is for --gnmr-rule autoswitch, not first-last"),
+    (["--gnmr", "--gnmr-rule", "autoswitch", "--gnmr-autoswitch-underflow-pct", "-1"],
+     "--gnmr-autoswitch-underflow-pct must be a number >= 0"),
+    (["--gnmr", "--gnmr-rule", "first-last", "--gnmr-topk", "-2"],
+     "--gnmr-topk must be an integer >= 0"),
 ])
 def test_bad_flags_are_one_line(argv, message):
     with pytest.raises(UsageError) as info:
@@ -117,3 +130,10 @@ def test_dry_run_bound_by_hand(tmp_path, capsys, extra, budget):
     plain = pretrain("llama", [a for a in TINY if a != "--gnmr"] + ["--dry-run"],
                      default_extensions())
     assert [s.memory.total for s in report.stages] == [s.memory.total for s in plain.stages]
+
+
+def test_static_topk_without_a_warmup_is_one_line():
+    """The warm-up length depends on --train-iters: refused when the run is validated."""
+    with pytest.raises(UsageError, match="^--gnmr-rule static-topk chooses after the warm-up"):
+        pretrain("llama", [*TINY, "--gnmr-rule", "static-topk", "--gnmr-warmup-frac", "0.01",
+                           "--train-iters", "20", "--dry-run"], default_extensions())
