@@ -67,8 +67,8 @@ class GaussWSRun:
             self.config = None
             return
         if args.use_torch_fsdp2 or args.use_megatron_fsdp:
-            raise UsageError("--gaussws does not support FSDP yet (its b_i grids are "
-                             "replicated over TP; use DDP or the distributed optimizer)")
+            raise UsageError("--gaussws does not support FSDP yet (--use-torch-fsdp2, "
+                             "--use-megatron-fsdp); use DDP or --use-distributed-optimizer")
         self.plans.require_linears(OWNER)
         self.site_ids = [site_id(layer, s) for layer in range(args.num_layers)
                          for s in self.config.sites]
