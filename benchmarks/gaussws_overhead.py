@@ -4,6 +4,12 @@ bytes per parameter.
 
     nice -n 19 python benchmarks/gaussws_overhead.py
     nice -n 19 python benchmarks/gaussws_overhead.py --tokens 128 --repeats 50 --json out.json
+    nice -n 19 python benchmarks/gaussws_overhead.py --train      # whole training steps
+
+``--train`` times whole training steps instead: the tiny Llama on the embedded corpus without
+GaussWS, with ``--gaussws od`` and with ``--gaussws all`` (:data:`TRAIN_RUNS`), ``--rounds``
+rounds interleaved, each run's median ``step_time_s`` after ``--skip`` warm-up steps, and the
+median over rounds with its ratio to the run without GaussWS.
 
 Variants per site, timed interleaved in one run (so load from other jobs hits all alike),
 the fastest of ``--repeats`` rounds (on a shared machine the minimum is the stable
@@ -28,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,9 +65,19 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=30, help="timed rounds (default 30)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--train", action="store_true",
+                   help="time whole training steps with --gaussws od / all vs without")
+    p.add_argument("--train-iters", type=int, default=30,
+                   help="steps per training run with --train (default 30)")
+    p.add_argument("--skip", type=int, default=5,
+                   help="warm-up steps left out of a run's median with --train (default 5)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of the runs with --train (default 3)")
     args = p.parse_args(argv)
-    if min(args.tokens, args.repeats, args.threads) < 1:
-        raise UsageError("--tokens, --repeats and --threads must be positive")
+    if min(args.tokens, args.repeats, args.threads, args.rounds) < 1:
+        raise UsageError("--tokens, --repeats, --threads and --rounds must be positive")
+    if not 0 <= args.skip < args.train_iters:
+        raise UsageError("--skip must be in [0, --train-iters)")
     return args
 
 
@@ -140,8 +158,41 @@ def measure_site(out_f: int, in_f: int, args) -> dict:
     return result
 
 
+TRAIN_RUNS = {"plain": [], "od": ["--gaussws", "od"], "all": ["--gaussws", "all"]}
+"""The ``--train`` runs: flags on top of the tiny Llama's defaults."""
+
+
+def train_step_times(args) -> dict:
+    """``--train``: run -> median step time (s) of each round (module docstring)."""
+    from precision_quality import train  # benchmarks/ is on the path of a script run
+
+    common = ["--train-iters", str(args.train_iters), "--log-interval", "1", "--eval-iters",
+              "0", "--seed", "1234"]
+    medians = {name: [] for name in TRAIN_RUNS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for name, flags in TRAIN_RUNS.items():
+                records = train(f"{name}-{round_}", [*common, *flags], Path(tmp))
+                medians[name].append(statistics.median(
+                    r["step_time_s"] for r in records
+                    if "step_time_s" in r and r["step"] > args.skip))
+    base = statistics.median(medians["plain"])
+    print(f"median step time over {args.rounds} rounds (steps {args.skip + 1}-"
+          f"{args.train_iters}, tiny Llama, embedded corpus)")
+    for name, values in medians.items():
+        ms = 1e3 * statistics.median(values)
+        print(f"{name:<6}{ms:8.0f} ms {ms / (1e3 * base):6.3f}x   rounds "
+              + " ".join(f"{1e3 * v:.0f}" for v in values), flush=True)
+    return medians
+
+
 def run(argv) -> None:
     args = parse_args(argv)
+    if args.train:
+        medians = train_step_times(args)
+        if args.json:
+            write_json_atomic(args.json, {"args": vars(args), "step_time_s": medians})
+        return
     torch.set_num_threads(args.threads)
     results = {site: measure_site(*shape, args) for site, shape in SITES.items()}
     print(f"tokens {args.tokens}, {args.repeats} rounds, {args.threads} thread(s); ms per "
