@@ -33,13 +33,14 @@ weight format has no floating-point bound, so b_t is not clamped.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
 
+from megatron_ext.formats import CastElement, FloatElement, get_format
 from megatron_ext.precision.layers import add_transform, quantized_linears
 from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
-from megatron_ext.formats import FloatElement, CastElement, get_format
 from megatron_ext.sites import parse_site_id
 
 from .config import GaussWSConfig
@@ -70,7 +71,7 @@ def max_bits(formats: SiteFormats, dtype: torch.dtype) -> float | None:
     mantissas = []
     for name in {formats.operand("fprop", "w"), formats.operand("dgrad", "w")}:
         if name == PASSTHROUGH:
-            mantissas.append(round(-torch.log2(torch.tensor(torch.finfo(dtype).eps)).item()))
+            mantissas.append(round(-math.log2(torch.finfo(dtype).eps)))  # eps = 2^-m
         elif isinstance(get_format(name).element, (FloatElement, CastElement)):
             mantissas.append(format_mantissa_bits(name))
         else:
@@ -87,7 +88,9 @@ class SampledSites:
         self.seeds = NoiseSeeds(seed)
         """Run seed -> site seed -> step key (§3.7); replaced by a checkpoint's on resume."""
         self.step = 1
-        """The optimizer step being trained (1-based); its key is frozen over micro-batches."""
+        """The optimizer step being trained (1-based): its key is frozen over the step's
+        micro-batches, and in force from the end of the step before (an observed pass made
+        before the step samples what the step will)."""
         self.modules: dict[str, torch.nn.Module] = {}
         """Site id -> the quantized linear it samples (this rank's pipeline stage)."""
 

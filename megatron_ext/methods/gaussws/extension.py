@@ -15,7 +15,8 @@ Hooks, in the order a run calls them (``default_extensions()``):
    gradient ``∂/∂b_i (λ/n Σ|b_t - b_target|)`` to the reduced b_i gradients (n: every tile of
    every sampled weight, model-wide; each pipeline stage adds its own tiles' terms);
 4. ``after_setup`` registers the checkpoint state ``gaussws`` (the run seed and the settings);
-5. ``before_step`` sets the step whose key every micro-batch of the step samples with;
+5. ``before_step`` (and already ``on_step`` of the step before, for observed passes made
+   between steps) sets the step whose key every micro-batch of the step samples with;
 6. ``on_step`` adds ``gaussws_b_{mean,min,max}/<site id>`` (b_t as the GEMMs use it, clamped
    by eq. 6) for every sampled site of the model (gathered over pipeline stages).
 
@@ -117,6 +118,7 @@ class GaussWSRun:
     def on_step(self, args, run, state) -> dict | None:
         if self.config is None:
             return None
+        self.sampled.step = state.iteration + 1
         stats = torch.zeros(len(self.site_ids), len(STATS), dtype=torch.float64)
         for row, sid in enumerate(self.site_ids):
             if sid in self.sampled.modules:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_ext.errors import UsageError
 from megatron_ext.methods.gaussws import GaussWSConfig, GaussWSWeight, ShardLayout
 from megatron_ext.methods.gaussws.attach import SampledSites, max_bits
 from megatron_ext.methods.gaussws.extension import GaussWSRun
@@ -45,3 +46,15 @@ def test_eq10_gradient_reaches_the_buffers():
         expected = 2.0 * 0.5 / 100 * torch.sign(b_t - 4.0) * 2.0 * (b_t < 5.0)
         got = run.sampled.modules[sid].gaussws.b_i.main_grad.double()
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def test_checkpoint_state_restores_the_run_seed_and_checks_the_settings():
+    config = GaussWSConfig(("proj", "fc2"))
+    run = GaussWSRun(PlanController())
+    run.config, run.sampled = config, SampledSites(config, seed=1)
+    saved = run.state_dict()
+    run.sampled = SampledSites(config, seed=2)  # resumed under another --seed
+    run.load_state_dict(saved)
+    assert run.sampled.seeds.key("L0.fc2", 3) == SampledSites(config, 1).seeds.key("L0.fc2", 3)
+    with pytest.raises(UsageError, match="checkpoint's GaussWS"):
+        run.load_state_dict({**saved, "sites": ["fc2"]})
