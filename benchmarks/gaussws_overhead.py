@@ -7,9 +7,10 @@ bytes per parameter.
     nice -n 19 python benchmarks/gaussws_overhead.py --train      # whole training steps
 
 ``--train`` times whole training steps instead: the tiny Llama on the embedded corpus without
-GaussWS, with ``--gaussws od`` and with ``--gaussws all`` (:data:`TRAIN_RUNS`), ``--rounds``
-rounds interleaved, each run's median ``step_time_s`` after ``--skip`` warm-up steps, and the
-median over rounds with its ratio to the run without GaussWS.
+GaussWS, with ``--gaussws od`` and with ``--gaussws all`` (:data:`TRAIN_RUNS`), one thread,
+``--rounds`` rounds interleaved; per run the median after ``--skip`` warm-up steps of the
+step's CPU time (:func:`cpu_timer`: the work, robust to other jobs on a shared machine) and of
+its wall time (``step_time_s``), then the median over rounds and the ratio to the plain run.
 
 Variants per site, timed interleaved in one run (so load from other jobs hits all alike),
 the fastest of ``--repeats`` rounds (on a shared machine the minimum is the stable
@@ -33,7 +34,11 @@ pass (0.5 byte per element).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.errors import UsageError, run_cli
+from megatron_ext.extension import Extension
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.gaussws import (
     GaussSample,
@@ -160,30 +166,57 @@ def measure_site(out_f: int, in_f: int, args) -> dict:
 
 TRAIN_RUNS = {"plain": [], "od": ["--gaussws", "od"], "all": ["--gaussws", "all"]}
 """The ``--train`` runs: flags on top of the tiny Llama's defaults."""
+CHILD = "--pretrain-child"
+"""First argument of this script when it is one ``--train`` run (a child process)."""
+
+
+def cpu_timer(controller) -> Extension:
+    """Adds ``step_cpu_s`` to every step's metrics: this process's CPU seconds from its
+    ``before_step`` to its ``on_step`` (one thread: the work done, however loaded the machine)."""
+    start = [0.0]
+
+    def before_step(args, run, state):
+        start[0] = time.process_time()
+
+    def on_step(args, run, state):
+        return {"step_cpu_s": time.process_time() - start[0]}
+
+    return Extension("cpu_timer", before_step=before_step, on_step=on_step)
+
+
+def _train_once(run_dir: Path, flags: list[str], skip: int) -> dict[str, float]:
+    """One ``--train`` run in a child process: medians of step CPU and wall time (s)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), CHILD, "--no-save", "--run-dir",
+           str(run_dir), "--log-interval", "1", "--eval-iters", "0", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        steps = [r for r in map(json.loads, f) if "step_cpu_s" in r and r["step"] > skip]
+    return {key: statistics.median(r[key] for r in steps)
+            for key in ("step_cpu_s", "step_time_s")}
 
 
 def train_step_times(args) -> dict:
-    """``--train``: run -> median step time (s) of each round (module docstring)."""
-    from precision_quality import train  # benchmarks/ is on the path of a script run
-
-    common = ["--train-iters", str(args.train_iters), "--log-interval", "1", "--eval-iters",
-              "0", "--seed", "1234"]
-    medians = {name: [] for name in TRAIN_RUNS}
+    """``--train``: run -> per round, the medians of step CPU and wall time (module docstring)."""
+    common = ["--train-iters", str(args.train_iters), "--seed", "1234"]
+    results = {name: [] for name in TRAIN_RUNS}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for name, flags in TRAIN_RUNS.items():
-                records = train(f"{name}-{round_}", [*common, *flags], Path(tmp))
-                medians[name].append(statistics.median(
-                    r["step_time_s"] for r in records
-                    if "step_time_s" in r and r["step"] > args.skip))
-    base = statistics.median(medians["plain"])
-    print(f"median step time over {args.rounds} rounds (steps {args.skip + 1}-"
-          f"{args.train_iters}, tiny Llama, embedded corpus)")
-    for name, values in medians.items():
-        ms = 1e3 * statistics.median(values)
-        print(f"{name:<6}{ms:8.0f} ms {ms / (1e3 * base):6.3f}x   rounds "
-              + " ".join(f"{1e3 * v:.0f}" for v in values), flush=True)
-    return medians
+                results[name].append(_train_once(Path(tmp) / f"{name}-{round_}",
+                                                 [*common, *flags], args.skip))
+    base = {k: statistics.median(r[k] for r in results["plain"])
+            for k in ("step_cpu_s", "step_time_s")}
+    print(f"tiny Llama, embedded corpus, one thread, steps {args.skip + 1}-{args.train_iters}, "
+          f"{args.rounds} rounds: median over rounds of each run's median step")
+    print(f"{'run':<6}{'CPU ms':>8}{'x plain':>9}{'wall ms':>9}{'x plain':>9}   CPU ms per round")
+    for name, rounds in results.items():
+        cpu, wall = (statistics.median(r[k] for r in rounds)
+                     for k in ("step_cpu_s", "step_time_s"))
+        print(f"{name:<6}{1e3 * cpu:8.1f}{cpu / base['step_cpu_s']:9.3f}{1e3 * wall:9.1f}"
+              f"{wall / base['step_time_s']:9.3f}   "
+              + " ".join(f"{1e3 * r['step_cpu_s']:.1f}" for r in rounds), flush=True)
+    return results
 
 
 def run(argv) -> None:
@@ -215,4 +248,10 @@ def run(argv) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [CHILD]:  # one --train run
+        from megatron_ext.defaults import default_extensions
+        from megatron_ext.training.pretrain import main
+
+        sys.argv = [sys.argv[0], *sys.argv[2:]]
+        raise SystemExit(main("llama", extensions=default_extensions(cpu_timer)))
     raise SystemExit(run_cli(run))
