@@ -4,6 +4,13 @@ bytes per parameter.
 
     nice -n 19 python benchmarks/gaussws_overhead.py
     nice -n 19 python benchmarks/gaussws_overhead.py --tokens 128 --repeats 50 --json out.json
+    nice -n 19 python benchmarks/gaussws_overhead.py --train      # whole training steps
+
+``--train`` times whole training steps instead: the tiny Llama on the embedded corpus without
+GaussWS, with ``--gaussws od`` and with ``--gaussws all`` (:data:`TRAIN_RUNS`), one thread,
+``--rounds`` rounds interleaved; per run the median after ``--skip`` warm-up steps of the
+step's CPU time (:func:`cpu_timer`: the work, robust to other jobs on a shared machine) and of
+its wall time (``step_time_s``), then the median over rounds and the ratio to the plain run.
 
 Variants per site, timed interleaved in one run (so load from other jobs hits all alike),
 the fastest of ``--repeats`` rounds (on a shared machine the minimum is the stable
@@ -27,12 +34,19 @@ pass (0.5 byte per element).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_ext.errors import UsageError, run_cli
+from megatron_ext.extension import Extension
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.gaussws import (
     GaussSample,
@@ -57,9 +71,19 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=30, help="timed rounds (default 30)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--train", action="store_true",
+                   help="time whole training steps with --gaussws od / all vs without")
+    p.add_argument("--train-iters", type=int, default=30,
+                   help="steps per training run with --train (default 30)")
+    p.add_argument("--skip", type=int, default=5,
+                   help="warm-up steps left out of a run's median with --train (default 5)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of the runs with --train (default 3)")
     args = p.parse_args(argv)
-    if min(args.tokens, args.repeats, args.threads) < 1:
-        raise UsageError("--tokens, --repeats and --threads must be positive")
+    if min(args.tokens, args.repeats, args.threads, args.rounds) < 1:
+        raise UsageError("--tokens, --repeats, --threads and --rounds must be positive")
+    if not 0 <= args.skip < args.train_iters:
+        raise UsageError("--skip must be in [0, --train-iters)")
     return args
 
 
@@ -140,8 +164,68 @@ def measure_site(out_f: int, in_f: int, args) -> dict:
     return result
 
 
+TRAIN_RUNS = {"plain": [], "od": ["--gaussws", "od"], "all": ["--gaussws", "all"]}
+"""The ``--train`` runs: flags on top of the tiny Llama's defaults."""
+CHILD = "--pretrain-child"
+"""First argument of this script when it is one ``--train`` run (a child process)."""
+
+
+def cpu_timer(controller) -> Extension:
+    """Adds ``step_cpu_s`` to every step's metrics: this process's CPU seconds from its
+    ``before_step`` to its ``on_step`` (one thread: the work done, however loaded the machine)."""
+    start = [0.0]
+
+    def before_step(args, run, state):
+        start[0] = time.process_time()
+
+    def on_step(args, run, state):
+        return {"step_cpu_s": time.process_time() - start[0]}
+
+    return Extension("cpu_timer", before_step=before_step, on_step=on_step)
+
+
+def _train_once(run_dir: Path, flags: list[str], skip: int) -> dict[str, float]:
+    """One ``--train`` run in a child process: medians of step CPU and wall time (s)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), CHILD, "--no-save", "--run-dir",
+           str(run_dir), "--log-interval", "1", "--eval-iters", "0", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        steps = [r for r in map(json.loads, f) if "step_cpu_s" in r and r["step"] > skip]
+    return {key: statistics.median(r[key] for r in steps)
+            for key in ("step_cpu_s", "step_time_s")}
+
+
+def train_step_times(args) -> dict:
+    """``--train``: run -> per round, the medians of step CPU and wall time (module docstring)."""
+    common = ["--train-iters", str(args.train_iters), "--seed", "1234"]
+    results = {name: [] for name in TRAIN_RUNS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for name, flags in TRAIN_RUNS.items():
+                results[name].append(_train_once(Path(tmp) / f"{name}-{round_}",
+                                                 [*common, *flags], args.skip))
+    base = {k: statistics.median(r[k] for r in results["plain"])
+            for k in ("step_cpu_s", "step_time_s")}
+    print(f"tiny Llama, embedded corpus, one thread, steps {args.skip + 1}-{args.train_iters}, "
+          f"{args.rounds} rounds: median over rounds of each run's median step")
+    print(f"{'run':<6}{'CPU ms':>8}{'x plain':>9}{'wall ms':>9}{'x plain':>9}   CPU ms per round")
+    for name, rounds in results.items():
+        cpu, wall = (statistics.median(r[k] for r in rounds)
+                     for k in ("step_cpu_s", "step_time_s"))
+        print(f"{name:<6}{1e3 * cpu:8.1f}{cpu / base['step_cpu_s']:9.3f}{1e3 * wall:9.1f}"
+              f"{wall / base['step_time_s']:9.3f}   "
+              + " ".join(f"{1e3 * r['step_cpu_s']:.1f}" for r in rounds), flush=True)
+    return results
+
+
 def run(argv) -> None:
     args = parse_args(argv)
+    if args.train:
+        medians = train_step_times(args)
+        if args.json:
+            write_json_atomic(args.json, {"args": vars(args), "step_time_s": medians})
+        return
     torch.set_num_threads(args.threads)
     results = {site: measure_site(*shape, args) for site, shape in SITES.items()}
     print(f"tokens {args.tokens}, {args.repeats} rounds, {args.threads} thread(s); ms per "
@@ -164,4 +248,10 @@ def run(argv) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [CHILD]:  # one --train run
+        from megatron_ext.defaults import default_extensions
+        from megatron_ext.training.pretrain import main
+
+        sys.argv = [sys.argv[0], *sys.argv[2:]]
+        raise SystemExit(main("llama", extensions=default_extensions(cpu_timer)))
     raise SystemExit(run_cli(run))

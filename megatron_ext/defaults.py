@@ -17,6 +17,7 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     """Faults, every method, then the ``extra`` ones, then the precision platform. Methods
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
     platform (``extra`` too: a method kept outside the package, a test's)."""
+    from megatron_ext.methods.gaussws.extension import gaussws_extension
     from megatron_ext.methods.gnmr.extension import gnmr_extension
     from megatron_ext.methods.pgq.extension import pgq_extension
     from megatron_ext.methods.snip.extension import snip_extension
@@ -26,7 +27,8 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, pgq_extension, stquant_extension, gnmr_extension, *extra]
+    methods = [snip_extension, pgq_extension, stquant_extension, gaussws_extension, gnmr_extension,
+               *extra]
     # GNMR last among the methods: it lifts the base plan the others made
     return [FaultHandler().extension(), *(make(controller) for make in methods),
             precision_extension(PrecisionRun(controller))]

@@ -89,6 +89,12 @@ class Extension:
     wrap_optimizer: Callable[..., Any] | None = None
     """``wrap_optimizer(args, model, optimizer)`` -> optimizer: runs after the optimizer is
     built, in list order (torchtitan's ``post_optimizer_hook``)."""
+    after_model: Callable[[argparse.Namespace, list], None] | None = None
+    """``after_model(args, chunks)``: the model chunks are built, initialised and on their
+    device, not yet wrapped in DDP: a method that adds parameters to the model (GaussWS's
+    per-tile bit widths) adds them here, so DDP's gradient buffers, the gradient norm, the
+    optimizer and the checkpoints all see them. Runs in list order (not in ``--dry-run``,
+    which counts megatron's own parameters)."""
     after_setup: Hook | None = None
     """After the model, optimizer and checkpointer exist, before ``--load``: register
     checkpoint state, apply the first plan."""

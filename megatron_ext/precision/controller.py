@@ -107,6 +107,13 @@ class PlanController:
         """(owner, name) -> overlay, in the order they were first set."""
         self.applied: PrecisionPlan | None = None
         """The effective plan the model runs now (set by :meth:`commit`)."""
+        self.linears_for: set[str] = set()
+        """Owners that need every site to be the quantized linear even without a plan (their
+        operand transforms live in it); with no plan its operands pass through untouched."""
+
+    def require_linears(self, owner: str) -> None:
+        """``owner`` installs operand transforms: build the quantized linears (at validate)."""
+        self.linears_for.add(owner)
 
     def set_base(self, plan: PrecisionPlan) -> None:
         self.base = plan

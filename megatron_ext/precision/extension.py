@@ -101,7 +101,7 @@ class PrecisionRun:
             self.controller.set_overlay(keep.owner, keep.name, keep.sites, keep.rule)
 
     def linear_classes(self, args):
-        if self.controller.base is None:
+        if self.controller.base is None and not self.controller.linears_for:
             return None
         return quantized_linear_classes(te_allowed=args.precision_backend == "auto")
 

@@ -58,8 +58,8 @@ def _write_args(args) -> None:
 
 
 def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
-    """Distributed init, data, model, optimizer, scheduler, checkpointer; the extensions'
-    ``after_setup``; resumes on --load."""
+    """Distributed init, data, model (then the extensions' ``after_model``), optimizer,
+    scheduler, checkpointer; the extensions' ``after_setup``; resumes on --load."""
     from megatron_ext.training import checkpointing, data, distributed, init, loop, model, optimizer
     from megatron_ext.training.loop import TrainState
 
@@ -75,6 +75,8 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     init.initialize_layout_invariant(chunks, config, args.seed)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
+    for hook in ext.hooks(extensions, "after_model"):  # new parameters reach DDP, optimizer
+        hook(args, chunks)
     ddp_model = optimizer.wrap_ddp(args, config, chunks)
     opt = (ext.the_one(extensions, "build_optimizer", args, ddp_model, optimizer.build_optimizer)
            or optimizer.build_optimizer(args, ddp_model))

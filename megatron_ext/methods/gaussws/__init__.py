@@ -1,7 +1,7 @@
 """GaussWS — Gaussian weight sampling (``shared/papers/002_*``): pseudo-quantization training
 that adds FP-friendly noise to chosen weights, with a learnable bit width per 32 x 32 tile.
 
-Numerics core (no training wiring here; see ``docs/gaussws.md``):
+Numerics core, then the training wiring (``docs/gaussws.md``):
 
 * :mod:`.noise` — R ≈ round(N(0,1)/2) from random bits (eq. 7-8), 8 four-bit codes per
   int32, counter-based (Philox) so any slice of a weight's stream is generated on its own;
@@ -12,7 +12,9 @@ Numerics core (no training wiring here; see ``docs/gaussws.md``):
   eq. 6's bound; :mod:`.linear` — a linear that regenerates ŵ in its backward;
 * :mod:`.weight` — eq. 9's b_i parameter per weight (:class:`GaussWSWeight`), eq. 10;
 * :mod:`.config` — :class:`GaussWSConfig` and the ``--gaussws*`` flags;
-* :mod:`.triton_kernels` — the CUDA path (packed R generation; unpack + scaled add).
+* :mod:`.triton_kernels` — the CUDA path (packed R generation; unpack + scaled add);
+* :mod:`.attach` — b_i per sampled site, the operand transform returning ŵ, eq. 6 from the
+  plan; :mod:`.extension` — ``gaussws_extension``: the hooks (eq. 10, metrics, checkpoint).
 """
 
 from .config import GaussWSConfig, add_arguments, parse_sites

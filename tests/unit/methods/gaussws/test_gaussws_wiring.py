@@ -1,0 +1,60 @@
+"""The training wiring's own numerics: eq. 6's bound read from a site's plan formats, and eq. 10's
+gradient added to the b_i gradient buffers before the optimizer step (float64 reference)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ext.errors import UsageError
+from megatron_ext.methods.gaussws import GaussWSConfig, GaussWSWeight, ShardLayout
+from megatron_ext.methods.gaussws.attach import SampledSites, max_bits
+from megatron_ext.methods.gaussws.extension import GaussWSRun
+from megatron_ext.precision.controller import PlanController
+from megatron_ext.precision.sites import SiteFormats
+
+
+@pytest.mark.parametrize("formats, dtype, bound", [
+    (SiteFormats(), torch.float32, 25.0),           # no plan: ŵ enters the GEMM as float32
+    (SiteFormats(), torch.bfloat16, 9.0),
+    (SiteFormats(w="fp8_e4m3@block128"), torch.float32, 5.0),
+    (SiteFormats(w="bf16", overrides=(("dgrad.w", "mxfp4"),)), torch.float32, 3.0),  # narrower
+    (SiteFormats(w="int8@block128"), torch.float32, None),  # no floating-point bound
+])
+def test_eq6_bound_follows_the_weight_formats(formats, dtype, bound):
+    assert max_bits(formats, dtype) == bound
+
+
+def test_eq10_gradient_reaches_the_buffers():
+    config = GaussWSConfig(("proj", "fc2"), b_init=6.0, b_target=4.0, lam=0.5)
+    run = GaussWSRun(PlanController())
+    run.config, run.sampled = config, SampledSites(config, seed=1)
+    shapes = {"L0.proj": (64, 64), "L0.fc2": (64, 96)}
+    for sid, shape in shapes.items():
+        weight = GaussWSWeight(ShardLayout.full(*shape), config)
+        weight.b_i.main_grad = torch.zeros_like(weight.b_i)
+        with torch.no_grad():
+            weight.b_i.copy_(torch.linspace(-1.0, 2.0, weight.b_i.numel()).view_as(weight.b_i))
+        run.sampled.modules[sid] = SimpleNamespace(
+            gaussws=weight, formats=SiteFormats(w="fp8_e4m3@block128"), weight=torch.zeros(1))
+    run.tiles = 100  # the model-wide n: other stages hold more tiles
+    run._add_bitwidth_loss_grad(SimpleNamespace(get_loss_scale=lambda: torch.tensor(2.0)))
+    for sid in shapes:
+        b_i = run.sampled.modules[sid].gaussws.b_i.detach().double()
+        b_t = 4.0 + 2.0 * b_i
+        # d/db_i of λ/n |min(b_t, 5) - 4|, times the loss scale 2; 0 above the eq. 6 clamp
+        expected = 2.0 * 0.5 / 100 * torch.sign(b_t - 4.0) * 2.0 * (b_t < 5.0)
+        got = run.sampled.modules[sid].gaussws.b_i.main_grad.double()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def test_checkpoint_state_restores_the_run_seed_and_checks_the_settings():
+    config = GaussWSConfig(("proj", "fc2"))
+    run = GaussWSRun(PlanController())
+    run.config, run.sampled = config, SampledSites(config, seed=1)
+    saved = run.state_dict()
+    run.sampled = SampledSites(config, seed=2)  # resumed under another --seed
+    run.load_state_dict(saved)
+    assert run.sampled.seeds.key("L0.fc2", 3) == SampledSites(config, 1).seeds.key("L0.fc2", 3)
+    with pytest.raises(UsageError, match="checkpoint's GaussWS"):
+        run.load_state_dict({**saved, "sites": ["fc2"]})
