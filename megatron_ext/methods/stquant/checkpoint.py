@@ -152,7 +152,9 @@ def _overlapping(slices: list, start: int, end: int) -> list[int]:
 
 
 def load_request(optimizer, saved_common: dict | None) -> dict:
-    """What this rank reads: the saved slices overlapping each of its parameters' ranges."""
+    """What this rank reads: the saved slices overlapping each of its parameters' ranges.
+    dist_checkpointing wants each object asked for once as the main replica: by the rank
+    that owns the slice's first element in this layout (every element has one owner)."""
     table = saved_header(saved_common)["table"]
     request: dict[str, dict] = {}
     for e in optimizer.allocator.entries:
@@ -162,10 +164,11 @@ def load_request(optimizer, saved_common: dict | None) -> dict:
         if table[key]["numel"] != e.param.model.numel():
             raise UsageError(f"--load: {key} has {table[key]['numel']} elements in the "
                              f"checkpoint's STQuant state, {e.param.model.numel()} here")
-        slices = table[key]["slices"]
-        for i in _overlapping(slices, *_range(e)):
+        slices, (start, end) = table[key]["slices"], _range(e)
+        for i in _overlapping(slices, start, end):
+            main = e.owner and start <= slices[i][0] < end
             request.setdefault(key, {})[str(i)] = ShardedObject(key, {}, (len(slices),), (i,),
-                                                                replica_id=0)
+                                                                replica_id=0 if main else 1)
     return {"slices": request, "param_groups": _groups(optimizer, [])}
 
 
