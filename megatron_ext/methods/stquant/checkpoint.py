@@ -139,11 +139,11 @@ def saved_header(saved_common: dict | None) -> dict:
         raise UsageError("--load: the checkpoint's STQuant optimizer state is in the earlier "
                          "per-rank format, which this version does not read; resume it with "
                          "the version that wrote it, or load its weights alone with --finetune")
-    now = _layout()
-    if (saved["layout"]["tp"], saved["layout"]["pp"]) != (now["tp"], now["pp"]):
-        raise UsageError(f"--load: the STQuant optimizer state was saved at TP {saved['layout']['tp']}"
-                         f" x PP {saved['layout']['pp']}, this run is TP {now['tp']} x PP "
-                         f"{now['pp']}; it reshards over DP only (--finetune loads the weights)")
+    was, now = saved["layout"], _layout()
+    if (was["tp"], was["pp"]) != (now["tp"], now["pp"]):
+        raise UsageError(f"--load: the STQuant optimizer state was saved at TP {was['tp']} x PP "
+                         f"{was['pp']}, this run is TP {now['tp']} x PP {now['pp']}; it "
+                         "reshards over DP only (--finetune loads the weights)")
     return saved
 
 
