@@ -136,16 +136,14 @@ def saved_state(ckpt) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def resaved(runs):
-    """The DP=2 distributed-optimizer checkpoint of step 3 loaded at DP=1 and DP=4 and saved
-    again at once, and runs resumed from it at DP=1 and DP=4."""
+    """The DP=2 distributed-optimizer checkpoint of step 3 loaded at DP=1 and DP=4, saved
+    again at once, and trained on from there to step 6."""
     ckpt = runs / "dp2-distopt-ckpt" / "iter_0000003"
-    flags = [*FAST_ARGS, *STQUANT, "--use-distributed-optimizer", "--load", str(ckpt)]
     for nproc in (1, 4):
-        launch([*flags, "--run-dir", str(runs / f"resave{nproc}"), "--save",
+        launch([*FAST_ARGS, *STQUANT, "--use-distributed-optimizer", "--load", str(ckpt),
+                "--run-dir", str(runs / f"dp{nproc}-from-dp2"), "--save",
                 str(runs / f"resave{nproc}-ckpt")], nproc=nproc,
                script="tests/distributed/stquant_resave_worker.py")
-        launch([*flags, "--no-save", "--run-dir", str(runs / f"dp{nproc}-from-dp2")],
-               nproc=nproc)
     return {nproc: saved_state(runs / f"resave{nproc}-ckpt" / "iter_0000003")
             for nproc in (1, 4)}
 
