@@ -58,6 +58,12 @@ class DryRunPart:
     memory: tuple[float, ...] = ()
     """Per pipeline stage, bytes one GPU holds besides the model state and activations
     (added to its total; empty: nothing)."""
+    moments: tuple[float, ...] = ()
+    """Per pipeline stage, bytes one GPU holds for the optimizer's moments, in place of
+    FP32 Adam's ``m`` and ``v`` (8 B/param, sharded like them) in the ``optim`` column; at
+    most one part of a run gives them (empty: FP32)."""
+    moments_how: str = ""
+    """With ``moments``: what they count, one phrase for the memory note (``m, v at 8 bits``)."""
     lines: tuple[str, ...] = ()
     """Summary lines, printed after the time line."""
     notes: tuple[str, ...] = ()

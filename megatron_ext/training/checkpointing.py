@@ -12,7 +12,10 @@ last, so a crash mid-save leaves the previous checkpoint and pointer untouched. 
 every rank's step counter, data position and extension states must agree (faults); before a
 load the checksums are verified and no file may hold pickled code (checkpoint_integrity).
 
-What is saved: model and optimizer (sharded tensors: load at another TP / PP layout works),
+What is saved: model and optimizer (sharded tensors: load at another TP / PP layout works;
+when loading, the optimizer's ``sharded_state_dict`` gets the checkpoint's common optimizer
+state as ``metadata["saved_common"]``, so an optimizer whose saved sharding follows the saving
+layout can ask for what was saved),
 LR scheduler (a resume that would change it must say which schedule wins:
 schedule_resume), iteration, consumed samples (the data position), the RNG states (restored only
 at the same layout), and whatever later features :meth:`Checkpointer.register`.
@@ -130,12 +133,15 @@ class Checkpointer:
     def _model_state(self) -> dict:
         return model_sharded_state(self.modules)
 
-    def _sharded_state(self, is_loading: bool, with_rng: bool) -> dict:
+    def _sharded_state(self, is_loading: bool, with_rng: bool,
+                       saved_optimizer: dict | None = None) -> dict:
         model_sd = self._model_state()
         # the distributed optimizer's state in megatron's bucket layout (Megatron-LM's default):
         # reloadable at another DP size, not another TP / PP (its fully_reshardable format
         # fails to load torch AdamW's step in megatron-core 0.16.1)
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        if is_loading:  # an optimizer whose sharding follows the saved one reads it here
+            metadata["saved_common"] = saved_optimizer or {}
         with matching_local_shards():  # FSDP2 (fsdp_checkpoint.py); a no-op for DDP
             optimizer_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                              metadata=metadata)
@@ -166,7 +172,7 @@ class Checkpointer:
             if not weights_only:
                 allocate_adam_state(self.optimizer)
             request = {"model": self._model_state()} if weights_only \
-                else self._sharded_state(True, same_layout)
+                else self._sharded_state(True, same_layout, common.get("optimizer"))
             _check_model_shapes(request["model"], path)
             loaded = dist_checkpointing.load(request, path)
         except UsageError:

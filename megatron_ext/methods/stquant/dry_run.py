@@ -1,13 +1,16 @@
-"""STQuant's part of ``--dry-run``: what ``m`` and ``v`` take per GPU at 4 and at 8 bits.
+"""STQuant's part of ``--dry-run``: the quantized ``m`` and ``v`` in the optimizer memory.
 
-The report's ``optim`` column counts AdamW's ``m`` and ``v`` in FP32 (8 B/param, plus the FP32
-main parameters of BF16 weights). Under ``--optimizer stquant-adamw`` their widths are chosen
-during training, from gradients the dry run does not have, so this part adds a column with
-both moments' bytes per GPU if every layer had 4 bits (the floor) and 8 bits (the width the
-score's ``Φ`` anchors): ``2 · (b + 32 / B) / 8`` bytes per parameter for ``b`` bits and
-blocks of ``B`` (codes plus one FP32 scale per block), divided over DP like the optimizer
-column when the optimizer is distributed. Tensors below ``--stquant-min-numel`` (norms,
-~0.1 % of a model) are counted at the same rate. Training measures the real figure
+Under ``--optimizer stquant-adamw`` both moments are stored as ``b``-bit codes plus one FP32
+scale per block of ``B`` elements: ``2 · (b + 32 / B) / 8`` bytes per parameter (8 at
+``b = 32``, which keeps float32 values and no scales), divided over DP like the rest of the
+optimizer state when the optimizer is distributed. The widths are chosen during training,
+from gradients the dry run does not have, so it assumes one width for every layer:
+``--stquant-dry-run-bits`` (default: ``--stquant-fixed-bits`` when that fixes them, else 8,
+the width the score's ``Φ`` anchors). The part gives these bytes as the report's optimizer
+moments (``DryRunPart.moments``), which replace FP32 Adam's 8 B/param in the ``optim``
+column (the FP32 main parameters of BF16 weights stay), and shows them in a ``m,v GiB``
+column. Tensors below ``--stquant-min-numel`` (norms, ~0.1 % of a model), which keep float32
+state, are counted at the same rate. Training measures the real figure
 (``stquant_state_bytes_per_param`` in the metrics).
 """
 
@@ -16,28 +19,34 @@ from __future__ import annotations
 from megatron_ext.extension import DryRunPart
 from megatron_ext.training.dry_run.estimates import GIB
 
-WIDTHS = (4, 8)
-
 
 def state_bytes_per_param(bits: int, block: int) -> float:
-    """Bytes of ``m`` and ``v`` per parameter at ``bits`` with one FP32 scale per block."""
-    return 2 * (bits + 32 / block) / 8
+    """Bytes of ``m`` and ``v`` per parameter at ``bits`` with one FP32 scale per block (no
+    scale at 32 bits)."""
+    return 2 * (bits + (0 if bits == 32 else 32 / block)) / 8
+
+
+def dry_run_bits(args) -> int:
+    """``--stquant-dry-run-bits``, else the fixed width, else 8."""
+    return args.stquant_dry_run_bits or args.stquant_fixed_bits or 8
 
 
 def estimate(args, context) -> DryRunPart | None:
     if args.optimizer != "stquant-adamw":
         return None
-    layout = context.layout
+    layout, bits, block = context.layout, dry_run_bits(args), args.stquant_block_size
     shards = layout.dp if layout.distributed_optimizer or layout.fsdp else 1
-    rate = {b: state_bytes_per_param(b, args.stquant_block_size) for b in WIDTHS}
-    per_gpu = [{b: s.per_gpu * rate[b] / shards for b in WIDTHS} for s in context.stages]
+    rate = state_bytes_per_param(bits, block)
+    per_gpu = tuple(s.per_gpu * rate / shards for s in context.stages)
     return DryRunPart(
-        columns=("m,v 4|8b",),
-        cells=tuple((f"{g[4] / GIB:.1f}|{g[8] / GIB:.1f}",) for g in per_gpu),
-        stage_json=tuple({f"stquant_state_bytes_{b}bit": g[b] for b in WIDTHS}
-                         for g in per_gpu),
-        lines=(f"STQuant m, v: {rate[4]:.3f} B/param if every layer has 4 bits, {rate[8]:.3f} "
-               f"at 8 (blocks of {args.stquant_block_size}); the optim column counts them in "
-               "FP32 (8 B/param); the widths are chosen during training",),
-        json={"stquant": {"bytes_per_param": {str(b): rate[b] for b in WIDTHS},
-                          "block": args.stquant_block_size}})
+        columns=("m,v GiB",),
+        cells=tuple((f"{b / GIB:.1f}",) for b in per_gpu),
+        stage_json=tuple({"stquant_state_bytes": b} for b in per_gpu),
+        moments=per_gpu,
+        moments_how=f"STQuant m, v at {bits} bits {rate:.3f} B/param",
+        lines=(f"STQuant m, v: {rate:.3f} B/param with every layer at {bits} bits "
+               f"(--stquant-dry-run-bits; blocks of {block}), counted in the optim column in "
+               f"place of FP32's 8; training chooses the widths (4 bits: "
+               f"{state_bytes_per_param(4, block):.3f}, 16: "
+               f"{state_bytes_per_param(16, block):.3f})",),
+        json={"stquant": {"bits": bits, "bytes_per_param": rate, "block": block}})

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="score boundaries between 4 | 8 | 16 | 32 bits")
     g.add_argument("--stquant-fixed-bits", type=int, choices=BITS, default=None,
                    help="one width for every layer instead of the score (ablations)")
+    g.add_argument("--stquant-dry-run-bits", type=int, choices=BITS, default=None,
+                   help="--dry-run: the width every layer's m, v is counted at in the "
+                        "optimizer memory (default: --stquant-fixed-bits if given, else 8)")
 
 
 def validate(args: argparse.Namespace) -> None:

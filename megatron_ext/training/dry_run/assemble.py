@@ -6,7 +6,8 @@ import time
 
 from megatron_ext.training.dry_run import estimates as est
 from megatron_ext.training.dry_run.meta import StageParams, build_stages
-from megatron_ext.training.dry_run.parts import DryRunContext, collect, extra_memory, stage_times
+from megatron_ext.training.dry_run.parts import (DryRunContext, collect, extra_memory, moments,
+                                                 stage_times)
 from megatron_ext.training.dry_run.report import REPORT_KEYS, DryRunReport, StageReport
 from megatron_ext.errors import UsageError
 
@@ -37,13 +38,15 @@ def _check_impl(args) -> None:
                          "per-layer precision needs --transformer-impl local")
 
 
-def _stage(args, p: StageParams, layout, vocab: int, extra: float,
-           seconds: float | None) -> StageReport:
-    w, g, o = est.model_state_bytes(p.per_gpu, layout)
+def _stage(args, p: StageParams, layout, vocab: int, parts, seconds: float | None) \
+        -> StageReport:
+    given = moments(parts)
+    w, g, o = est.model_state_bytes(p.per_gpu, layout,
+                                    given.moments[p.stage] if given else None)
     act = est.activation_bytes(p.stage, len(p.layers), args.hidden_size,
                                args.num_attention_heads, vocab, layout)
-    return StageReport(p, est.Memory(w, g, o, act, extra), est.in_flight(p.stage, layout),
-                       seconds)
+    return StageReport(p, est.Memory(w, g, o, act, extra_memory(parts, p.stage)),
+                       est.in_flight(p.stage, layout), seconds)
 
 
 def _header(args, layout) -> str:
@@ -70,8 +73,7 @@ def assemble(args, req, extensions=()) -> DryRunReport:
     parts = collect(list(extensions), args, context, REPORT_KEYS)
     times = stage_times(parts)
     seconds = list(times.seconds) if times else [None] * len(stages)
-    reports = [_stage(args, p, layout, padded, extra_memory(parts, p.stage), seconds[p.stage])
-               for p in stages]
+    reports = [_stage(args, p, layout, padded, parts, seconds[p.stage]) for p in stages]
     step = est.step_time(seconds, layout) if times else None
     total = sum(p.distinct - p.shared for p in stages)
     return DryRunReport(
@@ -101,15 +103,16 @@ def _notes(args, req, layout, vocab: int, parts) -> list[str]:
     attention = (f"layers {impl}: its fused attention keeps no s x s scores"
                  if layout.flash_attention else f"layers {impl}: the s x s scores of "
                  "megatron-core's local attention (5·a·s/h) included")
+    given = moments(parts)
+    state = (f"{given.moments_how}{' + FP32 main params 4 B/param' if layout.bf16 else ''}"
+             if given else f"Adam m, v{' + FP32 main params' if layout.bf16 else ''} "
+             f"{12 if layout.bf16 else 8} B/param")
     out = [
         f"simulated {args.world_size} ranks in one process (torch fake process group); "
         f"parameters from the real megatron-core modules on the meta device; vocabulary "
         f"{vocab} after padding",
         f"memory per GPU: weights {2 if layout.bf16 else 4} B/param, grads 4 B/param (FP32 "
-        f"buffer), Adam m, v{' + FP32 main params' if layout.bf16 else ''} "
-        f"{12 if layout.bf16 else 8} B/param{zero}"
-        + (" (FSDP: all three / DP)" if layout.fsdp else "")
-        + "; m, v counted in FP32 whatever --optimizer (STQuant adds its own column)",
+        f"buffer), {state}{zero}" + (" (FSDP: all three / DP)" if layout.fsdp else ""),
         f"activations (Korthikanti et al. 2022, Table 2): {_activation_formula(layout)} bytes = "
         f"{per_layer / est.GIB:.2f} GiB per layer per micro-batch, {attention}; 'mb' = "
         f"micro-batches held at the {'interleaved ' if layout.vp > 1 else ''}1F1B peak; the "

@@ -26,8 +26,9 @@ every weight's first dimension; otherwise the first ranks hold one row more). No
 the one FSDP unit (transformer layer or embedding) whose full weights are all-gathered while
 it runs.
 Megatron-FSDP (``--use-megatron-fsdp``, "optim_grads_params") shards the same three.
-The optimizer line assumes FP32 states; ``--optimizer stquant-adamw`` adds its own column
-(``megatron_ext/methods/stquant/dry_run.py``).
+The optimizer line assumes FP32 states unless an extension's dry-run part gives the bytes of
+its moments (``DryRunPart.moments``), which then replace the 8 bytes: ``--optimizer
+stquant-adamw`` gives its codes + scales (``megatron_ext/methods/stquant/dry_run.py``).
 
 Activations, per layer and micro-batch
 --------------------------------------
@@ -142,13 +143,16 @@ class Memory:
         return self.weights + self.grads + self.optimizer + self.activations + self.extra
 
 
-def model_state_bytes(params: int, layout: Layout) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes of a GPU holding ``params`` parameters."""
+def model_state_bytes(params: int, layout: Layout,
+                      moments: float | None = None) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of a GPU holding ``params`` parameters; ``moments``:
+    the bytes of the optimizer's m and v on it, in place of FP32 Adam's (already sharded)."""
     weights = params * (2 if layout.bf16 else 4)
     grads = params * 4.0
-    optimizer = params * (8 + (4 if layout.bf16 else 0))
+    optimizer = params * ((0 if moments is not None else 8) + (4 if layout.bf16 else 0))
     if layout.distributed_optimizer or layout.fsdp:
         optimizer /= layout.dp
+    optimizer += moments or 0.0
     if layout.fsdp:
         weights, grads = weights / layout.dp, grads / layout.dp
     return float(weights), grads, float(optimizer)

@@ -44,7 +44,8 @@ class DryRunContext:
 def collect(extensions: list[Extension], args, context: DryRunContext,
             reserved: tuple[str, ...] = ()) -> dict[str, DryRunPart]:
     """Every extension's part, by extension name in list order; ``ValueError`` for a part
-    whose per-stage fields do not have one entry per stage, two parts that give times, or a
+    whose per-stage fields do not have one entry per stage, two parts that give times (or
+    moments), or a
     JSON key given twice (or one of the report's own, ``reserved``)."""
     parts = {}
     for ext in extensions:
@@ -52,9 +53,11 @@ def collect(extensions: list[Extension], args, context: DryRunContext,
         if part is not None:
             _check(ext.name, part, len(context.stages))
             parts[ext.name] = part
-    timed = [name for name, part in parts.items() if part.times is not None]
-    if len(timed) > 1:
-        raise ValueError(f"several extensions estimate stage times: {', '.join(timed)}")
+    for what, given in (("stage times", lambda p: p.times is not None),
+                        ("optimizer moments", lambda p: bool(p.moments))):
+        giving = [name for name, part in parts.items() if given(part)]
+        if len(giving) > 1:
+            raise ValueError(f"several extensions estimate {what}: {', '.join(giving)}")
     keys = [*reserved, *(key for part in parts.values() for key in part.json)]
     if len(set(keys)) != len(keys):
         raise ValueError(f"dry-run parts give a JSON key twice: {sorted(keys)}")
@@ -63,6 +66,7 @@ def collect(extensions: list[Extension], args, context: DryRunContext,
 
 def _check(name: str, part: DryRunPart, stages: int) -> None:
     sized = {"cells": part.cells, "stage_json": part.stage_json, "memory": part.memory,
+             "moments": part.moments,
              "times": part.times.seconds if part.times else ()}
     for field, values in sized.items():
         given = bool(values) or (field == "cells" and bool(part.columns))
@@ -77,6 +81,11 @@ def _check(name: str, part: DryRunPart, stages: int) -> None:
 def stage_times(parts: dict[str, DryRunPart]) -> StageTimes | None:
     """The one part's times, or None."""
     return next((p.times for p in parts.values() if p.times is not None), None)
+
+
+def moments(parts: dict[str, DryRunPart]) -> DryRunPart | None:
+    """The one part that gives the optimizer's moments, or None (FP32 Adam's)."""
+    return next((p for p in parts.values() if p.moments), None)
 
 
 def extra_memory(parts: dict[str, DryRunPart], stage: int) -> float:

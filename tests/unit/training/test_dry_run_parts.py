@@ -116,6 +116,8 @@ def _context(stages: int = 2) -> DryRunContext:
     ([DryRunPart(columns=("a",), cells=(("x",), ("y", "z")))], "do not match its 1 columns"),
     ([DryRunPart(memory=(1.0,))], "memory has 1 entries"),
     ([DryRunPart(times=StageTimes((1.0, 2.0), "b", "h"))] * 2, "several extensions estimate"),
+    ([DryRunPart(moments=(1.0,))], "moments has 1 entries"),
+    ([DryRunPart(moments=(1.0, 2.0))] * 2, "several extensions estimate optimizer moments"),
     ([DryRunPart(json={"x": 1}), DryRunPart(json={"x": 2})], "JSON key twice"),
     ([DryRunPart(json={"stages": 1})], "JSON key twice"),
 ])

@@ -1,6 +1,6 @@
 """STQuant inside megatron-core's optimizer, in one process: the inner AdamW replaced, small
 tensors float32, the bytes measured as stored, SNIP's reader sees the dequantized moments, and
-the checkpoint holds codes + scales that restore the state exactly."""
+the checkpoint holds codes + scales per parameter that restore the state exactly."""
 
 import pytest
 import torch
@@ -80,22 +80,32 @@ def test_snip_reads_the_dequantized_moments(run):
     assert float(moments["step"]) == 3.0
 
 
-def test_checkpoint_holds_codes_and_scales_and_restores_exactly(run):
+def _as_loaded(sharded: dict) -> dict:
+    """What dist_checkpointing hands back for ``sharded``: each object's data (cloned) in
+    place of the object, slices by their place among the parameter's slices."""
+    slices = {key: {str(obj.global_offset[0]): _deep_clone(obj.data)}
+              for key, obj in sharded["slices"].items()}
+    return {"stquant": {**sharded, "slices": slices,
+                        "param_groups": sharded["param_groups"].data}}
+
+
+def test_checkpoint_holds_codes_and_scales_per_parameter_and_restores_exactly(run):
     sharded = run.optimizer.sharded_state_dict({})["stquant"]
-    saved = sharded["shards"].data
-    assert sharded["shards"].key == "optimizer.stquant.tp1.pp1.dp1"
+    assert sharded["format"] == 2 and sharded["layout"] == {"tp": 1, "pp": 1, "dp": 1}
     assert sharded["allocator"]["layers"] == run.optimizer.allocator.layers
-    some = next(p for p in saved["params"].values() if isinstance(p["exp_avg"], dict)
-                and p["exp_avg"]["bits"] < 32)
+    fc1 = "optimizer.stquant.decoder.layers.mlp.linear_fc1.weight[1].tp0"  # by layer, not rank
+    assert sharded["slices"][fc1].key == fc1
+    assert sharded["table"][fc1]["slices"] == [[0, sharded["table"][fc1]["numel"]]]
+    some = next(o.data for o in sharded["slices"].values()
+                if isinstance(o.data["exp_avg"], dict) and o.data["exp_avg"]["bits"] < 32)
     assert some["exp_avg"]["codes"].dtype in (torch.uint8, torch.int16)
     assert some["exp_avg"]["scales"].dtype == torch.float32
     before = {e.name: e.param.sub.optimizer.state[e.param.main]
               for e in run.optimizer.allocator.entries}
-    copied = {"stquant": {"shards": _deep_clone(saved), "allocator": sharded["allocator"],
-                          "layout": sharded["layout"]}}
+    loaded = _as_loaded(sharded)
     for e in run.optimizer.allocator.entries:  # wipe the state
         e.param.sub.optimizer.state[e.param.main] = {}
-    run.optimizer.load_state_dict(copied)
+    run.optimizer.load_state_dict(loaded)
     for e in run.optimizer.allocator.entries:
         after = e.param.sub.optimizer.state[e.param.main]
         for key in ("exp_avg", "exp_avg_sq"):
@@ -105,20 +115,30 @@ def test_checkpoint_holds_codes_and_scales_and_restores_exactly(run):
         assert torch.equal(before[e.name]["step"], after["step"])
 
 
-def test_another_layout_is_refused(run):
+def test_the_load_request_names_the_saved_slices(run):
     sharded = run.optimizer.sharded_state_dict({})["stquant"]
-    other = {"stquant": {**sharded, "shards": sharded["shards"].data,
-                         "layout": {**sharded["layout"], "dp": 2}}}
-    with pytest.raises(UsageError, match="restores only at the same layout"):
-        run.optimizer.load_state_dict(other)
+    request = run.optimizer.sharded_state_dict({}, is_loading=True, metadata={
+        "saved_common": {"stquant": sharded}})["stquant"]
+    assert {k: [o.unique_key for o in v.values()] for k, v in request["slices"].items()} == \
+        {k: [o.unique_key] for k, o in sharded["slices"].items()}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: {**s, "layout": {**s["layout"], "tp": 2}}, "saved at TP 2 x PP 1"),
+    (lambda s: {k: v for k, v in s.items() if k != "format"}, "earlier per-rank format"),
+])
+def test_another_tp_or_the_per_rank_format_is_refused(run, change, message):
+    sharded = run.optimizer.sharded_state_dict({})["stquant"]
+    with pytest.raises(UsageError, match=message):
+        run.optimizer.sharded_state_dict({}, is_loading=True,
+                                         metadata={"saved_common": {"stquant": change(sharded)}})
 
 
 def test_other_layers_are_refused(run):
     sharded = run.optimizer.sharded_state_dict({})["stquant"]
     allocator = {**sharded["allocator"], "layers": sharded["allocator"]["layers"][1:]}
-    other = {"stquant": {**sharded, "shards": sharded["shards"].data, "allocator": allocator}}
     with pytest.raises(UsageError, match="STQuant layers differ"):
-        run.optimizer.load_state_dict(other)
+        run.optimizer.load_state_dict(_as_loaded({**sharded, "allocator": allocator}))
 
 
 def _deep_clone(value):
