@@ -1,4 +1,4 @@
-"""Project-wide file helpers: JSON read with one-line errors, atomic writes.
+"""Project-wide file helpers: JSON / JSONL reads with one-line errors, atomic writes.
 
 An atomic write goes to a temporary file in the target's folder, is flushed to disk and then
 ``os.replace``d over the target: a reader sees the old file or the new one, never half of one,
@@ -36,6 +36,33 @@ def read_json(path: str, expect: type | None = dict) -> Any:
         what = "an object" if expect is dict else f"a JSON {expect.__name__}"
         raise ValueError(f"'{path}': expected {what}")
     return data
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a JSONL file (one per line, blank lines skipped); an unterminated
+    last line that does not parse (a partial write in progress) is skipped; anything else
+    malformed is a one-line ``ValueError``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except OSError as exc:
+        raise ValueError(f"cannot read '{path}': {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"'{path}' is not a JSONL text file (not UTF-8)") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: a partial last write
+                continue
+            raise ValueError(f"'{path}' line {number} is not valid JSON") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"'{path}' line {number} is not a JSON object")
+        records.append(record)
+    return records
 
 
 def write_atomic(path: str, write: Callable[[IO], None], binary: bool = False) -> None:

@@ -7,6 +7,7 @@
     python tools/plot_precision.py evolution runs/x --out evolution.png
     python tools/plot_precision.py divergence runs/x/snip/step_000100/divergence.json --out div.png
     python tools/plot_precision.py loss runs/a runs/b --labels fp8,snip --out loss.png
+    python tools/plot_precision.py gaussws runs/x --out bits.png
 
 See `python tools/plot_precision.py <command> --help` for every flag, docs/plots.md for the
 inputs. The code is in megatron_ext/viz/ (this file only starts its command line).

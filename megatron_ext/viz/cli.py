@@ -11,6 +11,7 @@
     plot_precision.py stquant RUN_DIR --out widths.png
     plot_precision.py gnmr RUN_DIR_OR_TRACE --out gnmr.png
     plot_precision.py pgq PROFILE.json --out sqnr.png [--formats int8,fp8]
+    plot_precision.py gaussws RUN_DIR --out bits.png
 
 Bad input: one ``error:`` line on stderr, exit status 2, no output file. Parsing only: the
 readers are :mod:`megatron_ext.viz.inputs`, the figures :mod:`megatron_ext.viz.plots`.
@@ -135,15 +136,23 @@ def _add_stquant(sub) -> None:
     _common(p)
 
 
+def _add_gaussws(sub) -> None:
+    p = _subparser(sub, "gaussws", "GaussWS's learned bit widths b_t per sampled site over "
+                                   "training: mean and min-max band (GaussWS paper Fig. 6)")
+    p.add_argument("run", metavar="RUN_DIR",
+                   help="a --gaussws run directory (its metrics.jsonl) or that file")
+    _common(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="plot_precision.py",
                      description="Plots of precision plans, their refreshes, SNIP divergences, "
-                                 "loss curves, GNMR traces and STQuant widths (PNG, no display "
-                                 "needed).",
+                                 "loss curves, GNMR traces, STQuant and GaussWS widths (PNG, "
+                                 "no display needed).",
                      epilog="Examples and input formats: docs/plots.md")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_plan, _add_stages, _add_evolution, _add_divergence, _add_loss, _add_gnmr,
-                _add_pgq, _add_stquant):
+                _add_pgq, _add_stquant, _add_gaussws):
         add(sub)
     return parser
 
@@ -240,9 +249,16 @@ def _plot_stquant(args):
     return widths.width_history(inputs.load_widths(args.widths))
 
 
+def _plot_gaussws(args):
+    from megatron_ext.methods.gaussws.history import load_bitwidths
+    from megatron_ext.viz.gaussws import bitwidth_history
+
+    return bitwidth_history(load_bitwidths(args.run))
+
+
 COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolution,
             "divergence": _plot_divergence, "loss": _plot_loss, "gnmr": _plot_gnmr,
-            "pgq": _plot_pgq, "stquant": _plot_stquant}
+            "pgq": _plot_pgq, "stquant": _plot_stquant, "gaussws": _plot_gaussws}
 
 
 def _run(argv: list[str]) -> None:

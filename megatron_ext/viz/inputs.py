@@ -27,14 +27,13 @@ line turns it into ``error: ...`` and exit status 2. Files written by a run:
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.io import read_json
+from megatron_ext.io import read_json, read_jsonl
 from megatron_ext.sites import parse_site_id
 
 PLAN_GLOB = os.path.join("snip", "step_*", "plan.json")
@@ -212,29 +211,6 @@ def metrics_file(source: str) -> str:
     return os.path.join(source, "metrics.jsonl") if os.path.isdir(source) else source
 
 
-def _records(path: str) -> list[dict]:
-    """The JSON objects of a JSONL file; an unterminated last line (being written) is skipped."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except OSError as exc:
-        raise ValueError(f"cannot read '{path}': {exc.strerror}") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # no newline after it: a partial last write
-                continue
-            raise ValueError(f"'{path}' line {number} is not valid JSON") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"'{path}' line {number} is not a JSON object")
-        records.append(record)
-    return records
-
-
 def _series(records: list[dict], key: str) -> tuple[tuple[int, float], ...]:
     by_step = {}
     for record in records:
@@ -247,7 +223,7 @@ def _series(records: list[dict], key: str) -> tuple[tuple[int, float], ...]:
 def load_loss_curve(source: str, label: str | None = None) -> LossCurve:
     """Train and validation losses of one run directory (or metrics.jsonl file)."""
     path = metrics_file(source)
-    records = _records(path)
+    records = read_jsonl(path)
     curve = LossCurve(label or _default_label(source), _series(records, "loss"),
                       _series(records, "val_loss"))
     if not curve.train and not curve.val:
@@ -318,7 +294,7 @@ def load_gnmr_trace(source: str) -> GnmrTrace:
     """A run directory's ``gnmr/trace.jsonl`` (or that file) as a :class:`GnmrTrace`."""
     path = os.path.join(source, TRACE) if os.path.isdir(source) else source
     lines, units = {}, None
-    for record in _records(path):
+    for record in read_jsonl(path):
         step, entries = _trace_line(record, path, units)
         units = units or tuple(entries)
         lines[step] = record
@@ -360,7 +336,7 @@ def load_widths(source: str) -> WidthHistory:
     """A run directory's ``stquant_widths.jsonl`` (or that file) as a :class:`WidthHistory`."""
     path = os.path.join(source, WIDTHS_FILE) if os.path.isdir(source) else source
     lines = {}
-    for record in _records(path):
+    for record in read_jsonl(path):
         step, widths = record.get("step"), record.get("widths")
         if isinstance(step, bool) or not isinstance(step, int) or not isinstance(widths, dict) \
                 or not widths or any(b not in (4, 8, 16, 32) for b in widths.values()):

@@ -48,7 +48,7 @@ ENTRY_POINTS = {
     "pretrain_gpt.py": lambda: _pretrain("gpt"),
     **{f"tools/{name}.py": (lambda n=name: lambda: _tool(n).main(["--help"]))
        for name in ("convert_checkpoint", "preprocess_data", "make_default_corpus",
-                    "snip_analyze", "tune_precision", "plot_precision")},
+                    "snip_analyze", "tune_precision", "plot_precision", "gaussws_hint")},
 }
 
 

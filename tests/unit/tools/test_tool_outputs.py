@@ -22,6 +22,7 @@ CASES = {
                                "--explain-json", "BAD/why.json"],
     "plot_precision": ["plot_precision.py", "plan", "IN", "--out", "BAD/plan.png"],
     "make_default_corpus": ["make_default_corpus.py", "--out", "BAD/corpus"],
+    "gaussws_hint": ["gaussws_hint.py", "IN", "--out", "BAD/plan.json"],
 }
 FLAG = {"preprocess_data": "--output-prefix", "tune_precision explain": "--explain-json"}
 
