@@ -1,6 +1,10 @@
 """Behaviour preserved: SNIP, ``uniform:fp8`` and ``min-rel-err`` runs reproduce the recorded
 reference (``reference_runs.py``) — plans exactly, losses bit for bit on the machine kind that
-recorded them (other CPU instruction sets may round matmuls differently: 1e-6 relative)."""
+recorded them. Another CPU instruction set rounds float32 matmuls differently, an ulp-level
+change that FP8 rounding then amplifies step by step: measured on AVX2 against the AVX512
+recording (2026-11-25), step 1's loss moved by 5.1e-6 and its grad norm by 6.5e-7, later steps
+by up to 7.1e-3 (loss) and 6.3e-2 (grad norm). There the plans must still match exactly, step
+1 is held to 5e-5, later steps to about twice that chaos band."""
 
 from __future__ import annotations
 
@@ -23,5 +27,7 @@ def test_reference_run_reproduced(tmp_path, name):
         assert got["loss"] == want["loss"]
         assert got["grad_norm"] == want["grad_norm"]
     else:
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert got["loss"][0] == pytest.approx(want["loss"][0], rel=5e-5)
+        assert got["grad_norm"][0] == pytest.approx(want["grad_norm"][0], rel=5e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.15)
