@@ -12,13 +12,21 @@ group is up. :func:`peer_loss_reported` wraps a run: a communication error becom
 ``error:`` line that names the ranks on this host whose process is gone (or stopped), printed
 by the lowest surviving rank, and exit status 2. Ranks on other hosts cannot be inspected
 from here; the launcher's own report names them.
+
+The launcher races the collective: torchrun notices a dead worker within a fraction of a
+second and sends SIGTERM to the others, which may still be computing, far from the
+collective that would fail. So inside the block SIGTERM first looks for a dead peer on this
+host; if there is one it is the same one line and exit status 2, otherwise the signal goes
+on to whatever handler was there before (the default one ends the process).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
+import threading
 import sys
 from contextlib import contextmanager
 
@@ -87,10 +95,10 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def describe(exc: BaseException) -> str:
-    """The one line for a communication error ``exc``."""
+def describe(error: str) -> str:
+    """The one line for a communication error whose message is ``error``."""
     gone, stopped = lost_ranks()
-    timed_out = re.search(r"[Tt]imed out|[Tt]imeout", str(exc)) is not None
+    timed_out = re.search(r"[Tt]imed out|[Tt]imeout", error) is not None
     if gone:
         what = f"lost {_ranks(gone)} (its process ended)"
     elif stopped:
@@ -107,19 +115,44 @@ def _is_peer_loss(exc: BaseException) -> bool:
         and _CONNECTION_LOST.search(str(exc)) is not None
 
 
+def _report_and_exit(error: str) -> None:
+    """Print the one line (lowest surviving rank only) and end this process with status 2."""
+    gone = set(lost_ranks()[0])
+    if dist.get_rank() == min(set(range(len(_PEERS.table))) - gone):
+        print(f"error: {describe(error)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
+
+
+def _sigterm_checks_peers(previous):
+    """A SIGTERM handler: a dead peer on this host -> the one line; else ``previous``."""
+    def on_sigterm(signum, frame):
+        if _PEERS.table and lost_ranks()[0]:
+            _report_and_exit("")
+        if callable(previous):
+            previous(signum, frame)
+        else:  # the default (or ignore): re-deliver the signal under it
+            signal.signal(signal.SIGTERM, previous)
+            signal.raise_signal(signal.SIGTERM)
+    return on_sigterm
+
+
 @contextmanager
 def peer_loss_reported():
     """Turn a lost or stalled peer inside the block into one ``error:`` line (from the lowest
     surviving rank) and exit status 2 at once: the process group is broken, nothing after
-    this point (checkpoint writes, process-group teardown) could complete."""
+    this point (checkpoint writes, process-group teardown) could complete. A SIGTERM that
+    arrives while a peer on this host is dead (the launcher tearing the job down) is the same."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = (signal.getsignal(signal.SIGTERM) or signal.SIG_DFL) if in_main else None
+    if in_main:
+        signal.signal(signal.SIGTERM, _sigterm_checks_peers(previous))
     try:
         yield
     except Exception as exc:  # noqa: BLE001 -- filtered right below
         if not _is_peer_loss(exc):
             raise
-        gone = set(lost_ranks()[0])
-        me = dist.get_rank()
-        if me == min(set(range(len(_PEERS.table))) - gone):
-            print(f"error: {describe(exc)}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(2)
+        _report_and_exit(str(exc))
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
