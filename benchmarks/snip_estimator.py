@@ -34,7 +34,8 @@ def _train(run_dir: Path, iters: int, extra: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
 
 
-def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int = 1):
+def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int = 1,
+              fp4: str = "fp4"):
     from megatron_ext.defaults import default_extensions
     from megatron_ext.methods.snip.groundtruth import check
     from megatron_ext.methods.snip.options import parse_candidates
@@ -53,8 +54,8 @@ def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int =
         if e.validate:
             e.validate(args)
     run = setup(args, exts)
-    cands = parse_candidates("fp8,fp4").all_formats()
-    return check(args, run, run.datasets[1], UNIFORM["fp4"], UNIFORM["bf16"].__class__(),
+    cands = parse_candidates(f"fp8,{fp4}").all_formats()
+    return check(args, run, run.datasets[1], UNIFORM[fp4], UNIFORM["bf16"].__class__(),
                  cands, noise, loss_batches)
 
 
@@ -107,6 +108,10 @@ def main(argv=None) -> int:
     p.add_argument("--loss-batches", type=int, default=1, metavar="K",
                    help="ΔL (estimated and measured) as the RMS over the first K held-out "
                         "batches (default 1: one draw of the loss change per site)")
+    p.add_argument("--fp4", default="fp4", choices=("fp4", "fp4-tensor"),
+                   help="the low format whose effect is estimated and measured: the tile-scaled "
+                        "FP4 recipe, or E2M1 with one scale per tensor, round to nearest (the "
+                        "comparison regime's, docs/compare.md)")
     p.add_argument("--json", default=None, help="write every number of the check here")
     p.add_argument("--run-dir", default=None,
                    help="train into this directory and keep it; when it already holds "
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
         run_dir = Path(opts.run_dir or Path(tmp) / "run")
         if not (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
             _train(run_dir, opts.train_iters, extra)
-        result = run_check(run_dir, extra, opts.noise, opts.loss_batches)
+        result = run_check(run_dir, extra, opts.noise, opts.loss_batches, opts.fp4)
     _report(result)
     if opts.json:
         Path(opts.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))
