@@ -3,8 +3,9 @@
 A job trains in ``OUT/runs/<run>/seed_<seed>``: the training script writes ``args.json`` and
 ``metrics.jsonl`` there, the tool writes the script's output to ``train.log`` and, once the
 script exited 0 with a validation loss at its last step, ``compare_job.json`` (the command,
-exit status, seconds). A job is **finished** when that mark names the same command and the
-metrics are complete; any other directory is broken (killed, failed, or made with other
+exit status, seconds). A job is **finished** when that mark names the same command (the
+training script by its file name: a grid started from another checkout of the project reuses
+it) and the metrics are complete; any other directory is broken (killed, failed, or made with other
 flags) and is deleted before the job runs again.
 
 What is read from ``metrics.jsonl`` (``megatron_ext.training.metrics``): training records
@@ -126,7 +127,14 @@ def is_finished(job: Job) -> bool:
         read_metrics(job.dir)
     except (OSError, ValueError):
         return False
-    return mark.get("argv") == list(job.argv) and mark.get("returncode") == 0
+    return _command(mark.get("argv")) == _command(job.argv) and mark.get("returncode") == 0
+
+
+def _command(argv) -> list[str] | None:
+    """``argv`` with the training script by its file name (not where the checkout lies)."""
+    if not isinstance(argv, (list, tuple)) or not argv:
+        return None
+    return [Path(argv[0]).name, *argv[1:]]
 
 
 def mark_finished(job: Job, seconds: float) -> None:

@@ -124,6 +124,24 @@ def test_dry_run_lists_jobs_and_writes_nothing(grid, tmp_path, capsys):
     assert not fresh.exists()
 
 
+def test_a_run_from_another_checkout_is_reused(grid, capsys):
+    """The mark names the script where it lay; another checkout of it is the same command."""
+    config, out, _ = grid
+    mark_path = out / "runs" / "fp4" / "seed_1" / "compare_job.json"
+    mark = json.loads(mark_path.read_text())
+    moved = {**mark, "argv": ["/elsewhere/megatron_ext/pretrain_llama.py", *mark["argv"][1:]]}
+    mark_path.write_text(json.dumps(moved))
+    other = {**mark, "argv": [mark["argv"][0], *mark["argv"][1:-1], "--bf16"]}
+    try:
+        assert main(["--config", str(config), "--out", str(out), "--dry-run"]) == 0
+        assert all(line.startswith("reuse ") for line in capsys.readouterr().out.splitlines()[1:])
+        mark_path.write_text(json.dumps(other))  # other flags: not this job
+        assert main(["--config", str(config), "--out", str(out), "--dry-run"]) == 0
+        assert "rerun fp4/seed_1:" in capsys.readouterr().out
+    finally:
+        mark_path.write_text(json.dumps(mark))
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"sedes": [1]}, "unknown key 'sedes'"),
     ({"runs": {"fp32": None}}, "runs.fp32: flags missing"),
