@@ -12,11 +12,13 @@ every linear) with its size loss on.
 
 **DiffQ in a megatron run** (:func:`diffq_extension`). ``diffq.DiffQuantizer(model)`` hooks
 the model's forward: before each training forward it replaces every quantized parameter ``p``
-*by name* in its module's ``_parameters`` with ``p + scale · 1/(2^b - 1) · N(0, 1)/2`` (fresh
-noise, ``scale = max p - min p`` over the whole tensor, ``b`` per group of ``group_size``
-consecutive elements from a learned logit), and puts ``p`` back after the forward. Megatron's
-``ColumnParallelLinear`` / ``RowParallelLinear`` read ``self.weight`` in their forward, so this
-works on them unchanged; the quantizer is built in ``after_model`` over each model chunk with
+*by name* in its module's ``_parameters`` with ``p + scale · 1/(2^b - 1) · U(-1/2, 1/2)``
+(fresh noise every forward; ``scale = max p - min p`` over the whole tensor; ``b`` per group of
+``group_size`` consecutive elements, from a learned logit) and puts ``p`` back after the
+forward. The noise is uniform as in the GaussWS paper's DiffQ (``--diffq-noise gaussian``:
+N(0, 1)/2, the library's default). Megatron's ``ColumnParallelLinear`` /
+``RowParallelLinear`` read ``self.weight`` in their forward, so this works on them unchanged;
+the quantizer is built in ``after_model`` over each model chunk with
 every parameter but the chosen sites' weights excluded (:func:`diffq_exclude`, DiffQ's
 ``exclude`` patterns), so its logits (``...linear_fc2.weight_diffq``) are model parameters
 before DDP and megatron's optimizer trains them (1-D: no weight decay; at the run's learning
@@ -27,7 +29,7 @@ the way GaussWS adds eq. 10. TP = 1 only (DiffQ's scale is the local shard's).
 
 Bytes per parameter (:func:`bytes_table`, at each site shape): ``saved`` is what autograd keeps
 for the backward beyond x, w and the bit parameters (``gaussws_overhead.saved_bytes``): GaussWS
-as wired keeps ŵ (``sample``), DiffQ keeps the noisy weight and its N(0, 1) draw; ``state`` is
+as wired keeps ŵ (``sample``), DiffQ keeps the noisy weight and its noise draw; ``state`` is
 the bit parameters with their gradient and two AdamW moments (float32).
 
 DiffQ (``pip install --no-deps diffq==0.2.4``: an sdist that compiles a Cython extension,
@@ -94,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="DiffQ noise on these sites' weights: od (proj, fc2) or all")
     g.add_argument("--diffq-group-size", type=int, default=1024,
                    help="weights sharing one learned bit width (default 1024 = a 32x32 tile)")
+    g.add_argument("--diffq-noise", default="uniform", choices=("uniform", "gaussian"),
+                   help="DiffQ's noise: uniform U(-1/2, 1/2) (default; the GaussWS paper's "
+                        "DiffQ) or gaussian N(0, 1)/2 (the diffq library's default)")
     g.add_argument("--diffq-penalty", type=float, default=0.0,
                    help="weight of the size loss penalty * model_size() in MB (default 0: off)")
 
@@ -115,8 +120,9 @@ def diffq_extension(controller) -> Extension:
         from diffq import DiffQuantizer
 
         for chunk in chunks:
+            exclude = diffq_exclude(chunk, SITE_GROUPS[args.diffq])
             q = DiffQuantizer(chunk, min_size=0, group_size=args.diffq_group_size,
-                              exclude=diffq_exclude(chunk, SITE_GROUPS[args.diffq]))
+                              noise=args.diffq_noise, exclude=exclude)
             q.no_optimizer()  # the logits are model parameters: megatron's optimizer has them
             quantizers.append(q)
 
@@ -147,7 +153,7 @@ def diffq_site_bytes(out_f: int, in_f: int, group_size: int, tokens: int) -> dic
     from diffq import DiffQuantizer
 
     lin = torch.nn.Linear(in_f, out_f, bias=False)
-    q = DiffQuantizer(lin, min_size=0, group_size=group_size)
+    q = DiffQuantizer(lin, min_size=0, group_size=group_size, noise="uniform")
     q.no_optimizer()
     x = torch.randn(tokens, in_f, requires_grad=True)
     params = out_f * in_f
