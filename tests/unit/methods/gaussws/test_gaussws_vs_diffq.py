@@ -1,7 +1,8 @@
-"""benchmarks/gaussws_vs_diffq.py's site -> parameter mapping: DiffQ's ``exclude`` list leaves
-exactly the chosen sites' weights quantized, on a toy model with megatron's module paths
-(expected names written out by hand)."""
+"""benchmarks/gaussws_vs_diffq.py's DiffQ wiring: the site -> parameter mapping (DiffQ's ``exclude``
+list leaves exactly the chosen sites' weights quantized, on a toy model with megatron's module
+paths, expected names written out by hand) and the size-loss gradient (closed form)."""
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -87,3 +88,34 @@ def test_diffq_noises_only_the_sites_weights():
     assert all(p is weights[n] for n, p in model.named_parameters())  # DiffQ put them back
     for name in OD:
         assert weights[name].grad is not None and weights[f"{name}_diffq"].grad is not None
+
+
+@pytest.mark.skipif(not BENCH.diffq_available(), reason="diffq is not installed")
+def test_size_loss_gradient_reaches_the_logits_before_the_step():
+    """The wrapped step adds ∂(penalty · model_size)/∂logit, times the loss scale, to each
+    logit's gradient: in closed form, group_size · (max_bits - min_bits) · t(1 - t) / 2^23
+    (MB per bit) per group, t = sigmoid(logit) = (8 - 2) / (15 - 2) at DiffQ's initial 8 bits."""
+    args = argparse.Namespace(diffq="od", diffq_group_size=16, diffq_noise="uniform",
+                              diffq_penalty=1e-3, tensor_model_parallel_size=1)
+    ext = BENCH.diffq_extension(None)
+    ext.validate(args)
+    model = ToyLlama()
+    ext.after_model(args, [model])
+    logits = [p for n, p in model.named_parameters() if n.endswith("_diffq")]
+    for p in logits:
+        p.grad = torch.zeros_like(p)
+    stepped = []
+
+    class Optimizer:
+        def step(self):
+            stepped.append([p.grad.clone() for p in logits])
+
+        def get_loss_scale(self):
+            return torch.tensor(4.0)
+
+    ext.wrap_optimizer(args, [model], Optimizer()).step()
+    t = 6 / 13
+    expected = 4.0 * 1e-3 * 16 * (15 - 2) * t * (1 - t) / 2 ** 23
+    assert len(stepped) == 1 and len(logits) == len(OD)
+    for grad in stepped[0]:
+        torch.testing.assert_close(grad, torch.full_like(grad, expected), rtol=1e-5, atol=0)
