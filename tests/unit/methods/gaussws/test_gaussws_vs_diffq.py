@@ -1,6 +1,7 @@
-"""benchmarks/gaussws_vs_diffq.py's DiffQ wiring: the site -> parameter mapping (DiffQ's ``exclude``
-list leaves exactly the chosen sites' weights quantized, on a toy model with megatron's module
-paths, expected names written out by hand) and the size-loss gradient (closed form)."""
+"""benchmarks/gaussws_vs_diffq.py's DiffQ wiring: the site -> parameter mapping (DiffQ's
+``exclude`` list leaves exactly the chosen sites' weights quantized, on a toy model with
+megatron's module paths, expected names written out by hand) and the size-loss gradient
+(closed form)."""
 
 import argparse
 import importlib.util
