@@ -132,7 +132,8 @@ def _time(run, dy) -> float:
     return time.perf_counter() - start
 
 
-def _saved_bytes(run, existing) -> int:
+def saved_bytes(run, existing) -> int:
+    """Bytes autograd keeps for ``run()``'s backward beyond the tensors in ``existing``."""
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         run()
@@ -157,7 +158,7 @@ def measure_site(out_f: int, in_f: int, args) -> dict:
     result.update({f"{name}_median": statistics.median(t) * 1e3 for name, t in times.items()})
     result.update({f"{name}_ratio": result[name] / result["plain"]
                    for name in ("sample", "regen", "defer")})
-    result.update({f"{name}_saved_B_per_param": _saved_bytes(run, existing) / params
+    result.update({f"{name}_saved_B_per_param": saved_bytes(run, existing) / params
                    for name, run in runs.items() if name != "plain"})
     result["state_B_per_param"] = tiles * 4 * 4 / params
     result["transient_B_per_param"] = -(-in_f // 8) * 4 * out_f / params
@@ -184,9 +185,10 @@ def cpu_timer(controller) -> Extension:
     return Extension("cpu_timer", before_step=before_step, on_step=on_step)
 
 
-def _train_once(run_dir: Path, flags: list[str], skip: int) -> dict[str, float]:
-    """One ``--train`` run in a child process: medians of step CPU and wall time (s)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), CHILD, "--no-save", "--run-dir",
+def _train_once(run_dir: Path, flags: list[str], skip: int, script: str) -> dict[str, float]:
+    """One ``--train`` run in a child process (``script`` with :data:`CHILD`): medians of step
+    CPU and wall time (s)."""
+    cmd = [sys.executable, str(Path(script).resolve()), CHILD, "--no-save", "--run-dir",
            str(run_dir), "--log-interval", "1", "--eval-iters", "0", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -196,24 +198,28 @@ def _train_once(run_dir: Path, flags: list[str], skip: int) -> dict[str, float]:
             for key in ("step_cpu_s", "step_time_s")}
 
 
-def train_step_times(args) -> dict:
-    """``--train``: run -> per round, the medians of step CPU and wall time (module docstring)."""
+def train_step_times(args, runs: dict[str, list[str]] = TRAIN_RUNS,
+                     script: str = __file__) -> dict:
+    """``--train``: run -> per round, the medians of step CPU and wall time (module docstring).
+    ``runs``: name -> flags (one named ``plain``, the base of the ratios); ``script`` runs
+    each as a child (its ``__main__`` calls :func:`pretrain_child` after :data:`CHILD`)."""
     common = ["--train-iters", str(args.train_iters), "--seed", "1234"]
-    results = {name: [] for name in TRAIN_RUNS}
+    results = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for name, flags in TRAIN_RUNS.items():
+            for name, flags in runs.items():
                 results[name].append(_train_once(Path(tmp) / f"{name}-{round_}",
-                                                 [*common, *flags], args.skip))
+                                                 [*common, *flags], args.skip, script))
     base = {k: statistics.median(r[k] for r in results["plain"])
             for k in ("step_cpu_s", "step_time_s")}
     print(f"tiny Llama, embedded corpus, one thread, steps {args.skip + 1}-{args.train_iters}, "
           f"{args.rounds} rounds: median over rounds of each run's median step")
-    print(f"{'run':<6}{'CPU ms':>8}{'x plain':>9}{'wall ms':>9}{'x plain':>9}   CPU ms per round")
+    w = max(map(len, runs)) + 1
+    print(f"{'run':<{w}}{'CPU ms':>8}{'x plain':>9}{'wall ms':>9}{'x plain':>9}   CPU ms per round")
     for name, rounds in results.items():
         cpu, wall = (statistics.median(r[k] for r in rounds)
                      for k in ("step_cpu_s", "step_time_s"))
-        print(f"{name:<6}{1e3 * cpu:8.1f}{cpu / base['step_cpu_s']:9.3f}{1e3 * wall:9.1f}"
+        print(f"{name:<{w}}{1e3 * cpu:8.1f}{cpu / base['step_cpu_s']:9.3f}{1e3 * wall:9.1f}"
               f"{wall / base['step_time_s']:9.3f}   "
               + " ".join(f"{1e3 * r['step_cpu_s']:.1f}" for r in rounds), flush=True)
     return results
@@ -247,11 +253,17 @@ def run(argv) -> None:
         write_json_atomic(args.json, {"args": vars(args), "sites": results})
 
 
+def pretrain_child(*extra) -> int:
+    """One ``--train`` run (``sys.argv``: script, :data:`CHILD`, its flags): the tiny Llama
+    with the default extensions, :func:`cpu_timer` and ``extra`` (extension factories)."""
+    from megatron_ext.defaults import default_extensions
+    from megatron_ext.training.pretrain import main
+
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    return main("llama", extensions=default_extensions(cpu_timer, *extra))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == [CHILD]:  # one --train run
-        from megatron_ext.defaults import default_extensions
-        from megatron_ext.training.pretrain import main
-
-        sys.argv = [sys.argv[0], *sys.argv[2:]]
-        raise SystemExit(main("llama", extensions=default_extensions(cpu_timer)))
+        raise SystemExit(pretrain_child())
     raise SystemExit(run_cli(run))
