@@ -10,11 +10,12 @@ applied as the GEMM that reads ``t`` applies it (blocks along its reduction axis
 
 Every statistic is a **sum of squares**, kept per site as a float64 scalar (per candidate
 format where it involves an error), so ranks add their parts with one all-reduce of
-``sites x stats`` scalars (the error GEMMs below are completed over TP / DP first). Row-wise products (SNIP §6.3 "row-wise formulation") are taken per
-row (token ``m`` of x / dy / dx, output channel ``n`` of w / dw), which needs each row's norm
-complete: under tensor parallelism a row split across TP ranks (row-parallel ``x``, ``dx``,
-``w``) is completed with an all-reduce of one M- or N-vector inside the TP group. A quantity
-held identically by several ranks (replicated over TP or DP) is scaled by 1/replicas before
+``sites x stats`` scalars (the error GEMMs below are completed over TP / DP first).
+Row-wise products (SNIP §6.3 "row-wise formulation") are taken per row (token ``m`` of x /
+dy / dx, output channel ``n`` of w / dw), which needs each row's norm complete: under
+tensor parallelism a row split across TP ranks (row-parallel ``x``, ``dx``, ``w``) is
+completed with an all-reduce of one M- or N-vector inside the TP group. A quantity held
+identically by several ranks (replicated over TP or DP) is scaled by 1/replicas before
 the global sum, so the sum counts it once. ``dy`` and ``dx`` arrive scaled by the schedule
 (loss / micro-batches) and are divided by DP so that they are gradients of the global-batch
 loss; ``dw`` is accumulated over micro-batches and averaged over DP (one all-reduce of the
