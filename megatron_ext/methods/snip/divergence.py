@@ -18,17 +18,20 @@ change of a smooth function for an isotropic error ``δ`` of norm ‖δ‖ in ``
 perturbed. Three parts, each the Theorem-4.1 norm of a bilinear map with one operand
 perturbed:
 
-* the site's own wgrad ``dw = dy^T x`` (exact second-order term, no probe needed)::
+* the site's own wgrad ``dw = dy^T x``, measured as the error GEMMs themselves (no probe
+  needed), weighted by AdamW's derivative element by element (below)::
 
-      ‖δg_j‖²_own = Σ_m ‖δdy_m‖² ‖x_m‖² + Σ_m ‖dy_m‖² ‖δx_m‖²  = Gdy[f_dy] + Gx[f_x]
+      ‖A ⊙ δg_j‖²_own = ‖A ⊙ (δdy^T x)‖² + ‖A ⊙ (dy^T δx)‖²  = WGdy[f_dy] + WGx[f_x]
 
-* its dgrad error ``δdx = δdy·w + dy·δw`` that flows down into the layers below, with
-  random-sign element errors summed over the reduction axis ``n``::
+* its dgrad error ``δdx = δdy·w + dy·δw`` that flows down into the layers below, again the
+  exact norms of the error GEMMs::
 
-      e_B² = Σ_n ‖δdy_{:,n}‖² ‖w_n‖² + Σ_n ‖δw_n‖² ‖dy_{:,n}‖²  = Bdyw + Bw
+      e_B² = ‖δdy·w‖² + ‖dy·δw‖²  = Bdyw[f_dy] + Bw[f_w]
 
-  (not the isotropic ``‖δdy‖² ‖w‖² / N``: for ``qkv`` the error of ``dy`` sits in the
-  columns where ``dy`` is large, whose rows of ``w`` are not average)
+  Both drop only the cross term of the two operands' errors (an option picks their formats
+  independently). Not the random-sign expectations ``Σ_m ‖δdy_m‖² ‖x_m‖²`` /
+  ``Σ_n ‖δdy_{:,n}‖² ‖w_n‖²``: round-to-nearest errors of a per-tensor format are
+  correlated across tokens, so they add coherently (:mod:`megatron_ext.methods.snip.stats`)
 
 * its forward error ``δy = δx·w^T + x·δw^T`` that changes the loss and every gradient::
 
@@ -66,7 +69,7 @@ error entering at ``j`` reaches the sites with the gain measured from the top).
 
 The paper writes ``‖A ⊙ δg‖ ≈ ‖A‖ ‖δg‖ / √(NK)`` (isotropic ``δg``); that overstates sites
 whose ``A`` is dominated by a few weights with ``v ≈ 0`` (and ``g ≈ 0``). Instead each part of
-``δg`` is weighted by ``A²`` where it lands: the own wgrad error row- and column-wise
+``δg`` is weighted by ``A²`` where it lands: the own wgrad error element by element
 (``WGdy + WGx``, :mod:`megatron_ext.methods.snip.stats`), the propagated ones as above::
 
       ‖A_l ⊙ δg_l‖² = [l = j] (WGdy + WGx) + [l = pred(j)] e_B² dgAB_l / dxB_j

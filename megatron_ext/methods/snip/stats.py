@@ -10,11 +10,12 @@ applied as the GEMM that reads ``t`` applies it (blocks along its reduction axis
 
 Every statistic is a **sum of squares**, kept per site as a float64 scalar (per candidate
 format where it involves an error), so ranks add their parts with one all-reduce of
-``sites x stats`` scalars. Row-wise products (SNIP §6.3 "row-wise formulation") are taken per
-row (token ``m`` of x / dy / dx, output channel ``n`` of w / dw), which needs each row's norm
-complete: under tensor parallelism a row split across TP ranks (row-parallel ``x``, ``dx``,
-``w``) is completed with an all-reduce of one M- or N-vector inside the TP group. A quantity
-held identically by several ranks (replicated over TP or DP) is scaled by 1/replicas before
+``sites x stats`` scalars (the error GEMMs below are completed over TP / DP first).
+Row-wise products (SNIP §6.3 "row-wise formulation") are taken per row (token ``m`` of x /
+dy / dx, output channel ``n`` of w / dw), which needs each row's norm complete: under
+tensor parallelism a row split across TP ranks (row-parallel ``x``, ``dx``, ``w``) is
+completed with an all-reduce of one M- or N-vector inside the TP group. A quantity held
+identically by several ranks (replicated over TP or DP) is scaled by 1/replicas before
 the global sum, so the sum counts it once. ``dy`` and ``dx`` arrive scaled by the schedule
 (loss / micro-batches) and are divided by DP so that they are gradients of the global-batch
 loss; ``dw`` is accumulated over micro-batches and averaged over DP (one all-reduce of the
@@ -29,10 +30,10 @@ statistic      value                                              used for
 ``Lw[f]``      Σ_n ‖dw_n‖² ‖δ_f(w)_n‖²       (fprop)              ΔL from w  (§4.2)
 ``ex[f] ew[f]``  ‖δ_f(x)‖², ‖δ_f(w)‖²          (fprop)              forward error ‖δy‖, baselines
 ``Bdy[f]``     ‖δ_f(dy)‖²                     (dgrad, along N)     dgrad error ‖δdx‖, baselines
-``Bw[f]``      Σ_n ‖δ_f(w)_n‖² ‖dy_{:,n}‖²   (dgrad)              dgrad error ‖δdx‖
-``Bdyw[f]``    Σ_n ‖δ_f(dy)_{:,n}‖² ‖w_n‖²   (dgrad)              dgrad error ‖δdx‖
-``Gdy[f]``     Σ_m ‖δ_f(dy)_m‖² ‖x_m‖²       (wgrad, along T)     own weight-gradient error
-``Gx[f]``      Σ_m ‖dy_m‖² ‖δ_f(x)_m‖²       (wgrad, along T)     own weight-gradient error
+``Bw[f]``      ‖dy · δ_f(w)‖²                 (dgrad, along N)     dgrad error ‖δdx‖
+``Bdyw[f]``    ‖δ_f(dy) · w‖²                 (dgrad, along N)     dgrad error ‖δdx‖
+``Gdy[f]``     Σ_m ‖δ_f(dy)_m‖² ‖x_m‖²       (wgrad, along T)     paper's isotropic own error
+``Gx[f]``      Σ_m ‖dy_m‖² ‖δ_f(x)_m‖²       (wgrad, along T)     (report, groundtruth.py)
 ``dxdxN``      Σ_m ‖dx_m‖² κ_m²  (qkv, fc1: after a norm)         dgrad error into the residual
 ``dgB dgF``    ‖Δg‖²: step-2 response, ‖g_probe - g_base‖² (3)    ‖∇g‖ by Theorem 4.2
 ``dxB dxBN``   ‖Δdx‖², Σ_m ‖Δdx_m‖² κ_m²: step-2 response at the   in-layer transfer fc2→fc1,
@@ -40,16 +41,25 @@ statistic      value                                              used for
 ``resB``       ‖step-2 response of the residual gradient‖²        gain from the top to the site's
                at the norm in front (qkv, fc1)                    residual entry point
 ``AA``         ‖A‖² (AdamW derivative, :mod:`.adam`)              report
-``WGdy[f]``    Σ_nk A²_nk Σ_m δ_f(dy)_mn² x_mk²     (wgrad)        own AdamW-weighted error
-``WGx[f]``     Σ_nk A²_nk Σ_m dy_mn² δ_f(x)_mk²     (wgrad)        own AdamW-weighted error
+``WGdy[f]``    ‖A ⊙ (δ_f(dy)^T x)‖²          (wgrad, along T)     own AdamW-weighted error
+``WGx[f]``     ‖A ⊙ (dy^T δ_f(x))‖²          (wgrad, along T)     own AdamW-weighted error
 ``dgAB dgAF``  ‖A ⊙ (g_probe - g_base)‖²                          AdamW-weighted probe gains
 =============  =================================================  ============================
 
-``WG*`` is ``E‖A ⊙ δg‖²`` for the site's own wgrad error ``δg = δdy^T x + dy^T δx`` when
-the measured element errors have random signs: ``E δg_nk² = Σ_m δdy_mn² x_mk² + ...``, an
-N x K tensor per candidate accumulated over the pass (one extra GEMM of squares per
-micro-batch). The last three rows need AdamW's state after the step:
-:meth:`SiteObserver.adam_weighted` reduces the tensors against ``A²`` once that step is done.
+``WG*``, ``Bdyw`` and ``Bw`` are the **exact norms of the error GEMMs** the quantized site
+would run: the own wgrad error ``δg = δdy^T x + dy^T δx`` (N x K, one signed tensor per
+candidate and operand, summed over the pass's micro-batches and DP-averaged like ``dw``) and
+the dgrad error ``δdx = δdy·w + dy·δw`` (M x K per micro-batch; under TP a column-parallel
+site's product is a partial sum over its N columns and is all-reduced, as ``dx`` is, before
+squaring). Only the cross terms between the two operands' errors (and ``δdy^T δx``) are
+dropped, since an option picks the two formats independently. Why exact and not the
+random-sign expectation ``Σ_m δdy_mn² x_mk²`` (the rows' errors adding as independent): the
+round-to-nearest errors of a per-tensor format are correlated across tokens (a small value
+flushed to zero in one token is flushed in its neighbours too), so the rows' errors add
+coherently, up to M times the independent sum when the rows are alike; the independent form
+put a site's own wgrad error 0.33-0.87x of its measurement for ``fp4-tensor``. ``WG*`` need
+AdamW's state after the step: :meth:`SiteObserver.adam_weighted` weights the errors with
+``A²`` once that step is done.
 
 ``κ_m²`` is the gain of the norm in front of ``qkv`` / ``fc1`` for an isotropic error in the
 site's ``dx`` row ``m``: the norm's backward ``J^T δ = (γ ⊙ δ - x̂ (x̂ · γ ⊙ δ)/H) / r_m``
@@ -141,11 +151,12 @@ class SiteObserver:
         for key, role in PER_FORMAT.items():
             self.stats[key] = {f: 0.0 for f in candidates[role]}
         self._dw = None
-        self._dycol = None
         self._g_base = None
         self._probe_dg: dict[str, torch.Tensor] = {}
-        self._var_dy = {f: 0.0 for f in candidates["dy"]}
-        self._var_x = {f: 0.0 for f in candidates["x"]}
+        self._wgrad_error = {"WGdy": {f: 0.0 for f in candidates["dy"]},
+                             "WGx": {f: 0.0 for f in candidates["x"]}}
+        """Signed wgrad errors ``δ_f(dy)^T x`` and ``dy^T δ_f(x)`` (N x K, this rank's shard of
+        the weight) summed over the base pass, DP-averaged at its end."""
         self._fwd_micro = self._bwd_micro = 0
         self._norm_gain = None
         """κ_m² rows of the norm that just ran in front of this site (steps 1 and 2)."""
@@ -181,8 +192,7 @@ class SiteObserver:
         self.mode, self.sample_offsets = mode, sample_offsets
         self.micro_batch_size = micro_batch_size
         self._fwd_micro = self._bwd_micro = 0
-        self._dw, self._dycol = None, None
-        self._dy_error_col = {f: 0.0 for f in self.candidates["dy"]}
+        self._dw = None
 
     # module input: x rows and dx rows (ΔL from x)
     def input_forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -228,24 +238,38 @@ class SiteObserver:
             self._add("Lx", dx_rows * r, f, rep)
 
     # GEMM backward: dy-side statistics
-    def gemm_backward(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
-        x_rows, dy_rows = _rows_sq(x2), _rows_sq(dy2) / self.dp ** 2
+    def gemm_backward(self, x2: torch.Tensor, dy2: torch.Tensor, w: torch.Tensor) -> None:
+        """One micro-batch's wgrad and dgrad statistics (``dy2`` as the schedule scales it)."""
+        x, dy, w = x2.detach().double(), dy2.detach().double() / self.dp, w.detach().double()
+        x_rows, dy_rows = _rows_sq(x), _rows_sq(dy)
         rep_dy = 1.0 if self.column else 1.0 / self.tp
         self._add("dydy", dy_rows, rep=rep_dy)
-        col = dy2.detach().double().square().sum(0) / self.dp ** 2
-        self._dycol = col if self._dycol is None else self._dycol + col
-        x_sq, dy_sq = x2.detach().double().square(), dy2.detach().double().square() / self.dp ** 2
+        dgrad = []  # δ_f(dy)·w, then dy·δ_f(w): this micro-batch's dgrad errors (M x K)
         for f in self.candidates["dy"]:
-            dgrad_sq = _error(dy2, f, -1, self.group).double().square() / self.dp ** 2
-            self._add("Bdy", dgrad_sq.sum(1), f, rep_dy)
-            self._dy_error_col[f] = self._dy_error_col[f] + dgrad_sq.sum(0)
-            err_sq = _error(dy2.t(), f, -1, self.group).t().double().square() / self.dp ** 2
-            self._add("Gdy", err_sq.sum(1) * x_rows, f)
-            self._var_dy[f] = self._var_dy[f] + err_sq.t() @ x_sq
+            err = _error(dy2, f, -1, self.group).double() / self.dp
+            self._add("Bdy", _rows_sq(err), f, rep_dy)
+            dgrad.append(err @ w)
+            err = _error(dy2.t(), f, -1, self.group).t().double() / self.dp
+            self._add("Gdy", _rows_sq(err) * x_rows, f)
+            self._wgrad_error["WGdy"][f] = self._wgrad_error["WGdy"][f] + err.t() @ x
         for f in self.candidates["x"]:
-            err_sq = _error(x2.t(), f, -1, self.group).t().double().square()
-            self._add("Gx", err_sq.sum(1) * dy_rows, f)
-            self._var_x[f] = self._var_x[f] + dy_sq.t() @ err_sq
+            err = _error(x2.t(), f, -1, self.group).t().double()
+            self._add("Gx", _rows_sq(err) * dy_rows, f)
+            self._wgrad_error["WGx"][f] = self._wgrad_error["WGx"][f] + dy.t() @ err
+        for f in self.candidates["w"]:
+            dgrad.append(dy @ _error(w.t(), f, -1, self.group).t().double())
+        self._dgrad_errors(dgrad)
+
+    def _dgrad_errors(self, products: list[torch.Tensor]) -> None:
+        """``Bdyw``, ``Bw``: squared norms of the dgrad error products, completed over TP
+        where ``dx`` is a partial sum (column-parallel: the sum over this rank's N columns);
+        the complete product is then held by every TP rank."""
+        stacked = self._tp_complete(torch.stack(products), self.column)
+        rep = 1.0 / self.tp if self.column else 1.0
+        keys = [("Bdyw", f) for f in self.candidates["dy"]] + \
+            [("Bw", f) for f in self.candidates["w"]]
+        for (key, f), product in zip(keys, stacked):
+            self._add(key, product.square(), f, rep)
 
     def accumulate_dw(self, dw: torch.Tensor) -> None:
         dw = dw.detach().double()
@@ -310,6 +334,9 @@ class SiteObserver:
         if self.mode == BASE:
             self._weight_stats(weight.detach().double(), dw)
             self._g_base = dw
+            for error in (e for errors in self._wgrad_error.values() for e in errors.values()):
+                if self.dp > 1:  # the global-batch error: DP average (already divided by dp)
+                    dist.all_reduce(error, group=parallel_state.get_data_parallel_group())
         else:
             backward = self.mode == PROBE_BACKWARD
             key = "dgB" if backward else "dgF"
@@ -319,13 +346,12 @@ class SiteObserver:
 
     def adam_weighted(self, a2: torch.Tensor) -> None:
         """The AdamW-weighted statistics, given ``A²`` of this site's local weight after the
-        step (replicated over DP; the variance tensors hold this rank's tokens)."""
+        step; both it and the DP-reduced wgrad errors are replicated over DP (counted once)."""
         a2 = a2.double()
         self.stats["AA"] += float(a2.sum()) / self.dp
-        for f, var in self._var_dy.items():
-            self.stats["WGdy"][f] += float((a2 * var).sum())
-        for f, var in self._var_x.items():
-            self.stats["WGx"][f] += float((a2 * var).sum())
+        for key, errors in self._wgrad_error.items():
+            for f, error in errors.items():
+                self.stats[key][f] += float((a2 * error.square()).sum()) / self.dp
         for key, dg in self._probe_dg.items():
             self.stats[key.replace("dg", "dgA")] += float((a2 * dg.square()).sum()) / self.dp
 
@@ -338,13 +364,8 @@ class SiteObserver:
         self._add("dwdw", dw_rows, rep=rep)
         for f in self.candidates["w"]:
             fprop = self._tp_complete(_rows_sq(_error(w, f, 1, self.group)), partial)
-            dgrad = self._tp_complete(_rows_sq(_error(w.t(), f, -1, self.group).t()), partial)
             self._add("ew", fprop, f, rep)
             self._add("Lw", dw_rows * fprop, f, rep)
-            # dy columns are summed over this rank's tokens (disjoint over DP)
-            self._add("Bw", dgrad * self._dycol, f, rep * self.dp)
-        for f in self.candidates["dy"]:
-            self._add("Bdyw", w_rows * self._dy_error_col[f], f, rep * self.dp)
 
 
 class _TapInput(torch.autograd.Function):
@@ -387,5 +408,5 @@ class _ObservedGemm(torch.autograd.Function):
         dw = dy2.t() @ x2
         obs.accumulate_dw(dw)
         if obs.mode == BASE:
-            obs.gemm_backward(x2, dy2)
+            obs.gemm_backward(x2, dy2, weight)
         return dx, dw, dy2.sum(0) if ctx.use_bias else None, None
