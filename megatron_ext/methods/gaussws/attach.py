@@ -106,13 +106,14 @@ class SampledSites:
         add_transform(chunks, list(self.modules), self.transform)
 
     def transform(self, module, input, weight):
-        """The operand transform: (x, w) -> (x, ŵ) in training, (x, w) in evaluation."""
+        """The operand transform: (x, w) -> (x, ŵ) in training (ŵ recomputable: the GEMM
+        keeps w and rebuilds ŵ in its backward), (x, w) in evaluation."""
         if not module.training:
             return input, weight
         group = module.tp_group if module.tp_group.size() > 1 else None
         key = self.seeds.key(module.site_id, self.step)
         bound = max_bits(module.formats, weight.dtype)
-        return input, module.gaussws(weight, key, bound, group)
+        return input, module.gaussws.sample(weight, key, bound, group)
 
     def bits(self, sid: str) -> torch.Tensor:
         """b_t of a site as its GEMMs use it now (eq. 9, clamped by eq. 6), with autograd."""

@@ -10,9 +10,12 @@ R ∈ {-2..2} from :mod:`.noise` (the step's key, never stored). Backward, treat
     ∂L/∂w   = ∂L/∂ŵ                                             (eq. 2)
     ∂L/∂b_t = -ln 2 · s · Σ_tile (∂L/∂ŵ ⊙ R)                    (eq. 3)
 
-R is regenerated from the key in the backward pass. On CUDA the packed R (0.5 byte per
-element) comes from a Triton kernel and a second kernel unpacks it and adds the scaled noise;
-the torch path (CPU, or float64) works in row chunks so its temporaries stay bounded.
+R is regenerated from the key in the backward pass, and so is ŵ itself: the GEMM keeps w
+and calls :func:`perturb` again for its dgrad (:func:`recomputable_sample`, the precision
+platform's :class:`~megatron_ext.precision.gemm.RecomputableWeight`), so nothing of ŵ or R
+outlives the forward but the tile grid of s. On CUDA a Triton kernel generates R and adds
+the scaled noise in one pass; the torch path (CPU, or float64) works in row chunks so its
+temporaries stay bounded, and adds with one ``addcmul``.
 
 Under TP the caller passes the full tile grids (``amax`` combined over the group, see
 :mod:`.layout`; ``bits`` replicated on every rank). A shard's eq. 3 sum covers only its part
@@ -28,6 +31,7 @@ eq. 3 still credits it — caps b_t at ``m + 2 - r`` (``r = 0`` for this R: min 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.formats import CastElement, FloatElement, get_format
+from megatron_ext.precision.gemm import RecomputableWeight
 
 from . import noise
 from .layout import (
@@ -85,66 +90,67 @@ def _triton_for(t: torch.Tensor):
     return triton_kernels
 
 
-def packed_noise(layout: ShardLayout, key: int, like: torch.Tensor) -> torch.Tensor:
-    """The shard's packed R (int32, local rows x the packed words covering its columns;
-    0.5 byte per element) on ``like``'s device: the Triton kernel for CUDA tensors."""
+@functools.lru_cache(maxsize=64)
+def _indices(layout: ShardLayout, device: torch.device):
+    """The layout's full row indices and its columns' tile indices (cached per layout)."""
     c0, c1 = layout.col_range
-    word_start = c0 // noise.ELEMS_PER_WORD
-    n_words = noise.words_per_row(c1) - word_start
+    return layout.global_rows(device), torch.arange(c0, c1, device=device) // layout.block
+
+
+def _noise_chunks(layout: ShardLayout, key: int, like: torch.Tensor, dtype: torch.dtype):
+    """(first local row, full row indices, R) per chunk of rows on ``like``'s device: R
+    generated a chunk at a time (by the Triton kernel for a CUDA ``like``), so the torch
+    path's temporaries stay bounded."""
+    rows = _indices(layout, like.device)[0]
+    c0, c1 = layout.col_range
     kernels = _triton_for(like)
-    generate = kernels.packed_noise if kernels else noise.packed_noise
-    return generate(layout.global_rows(like.device), word_start, n_words, layout.full_shape[1], key)
-
-
-def _noise_chunks(packed: torch.Tensor, layout: ShardLayout, dtype: torch.dtype):
-    """(first local row, full row indices, R) per chunk of rows: R unpacked a chunk at a time."""
-    rows = layout.global_rows(packed.device)
-    c0, c1 = layout.col_range
+    generate = kernels.noise_block if kernels else noise.noise_block
     step = max(1, CHUNK_ELEMS // (c1 - c0))
     for lo in range(0, len(rows), step):
-        r = noise.unpack(packed[lo : lo + step], c0 % noise.ELEMS_PER_WORD, c1 - c0, dtype)
-        yield lo, rows[lo : lo + step], r
+        part = rows[lo : lo + step]
+        yield lo, part, generate(part, c0, c1 - c0, layout.full_shape[1], key, dtype)
 
 
 def _expand(grid: torch.Tensor, rows: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """Per-element tile values for full rows ``rows`` x the layout's columns."""
-    c0, c1 = layout.col_range
-    cols = torch.arange(c0, c1, device=grid.device) // layout.block
+    cols = _indices(layout, grid.device)[1]
     return grid.index_select(0, rows // layout.block).index_select(1, cols)
 
 
-def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, packed: torch.Tensor):
+def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int):
     """Eq. 1 without autograd: ŵ (``w``'s dtype) from the local ``w``, the full tile grid
-    ``scale`` of s and the shard's :func:`packed_noise`. ŵ = w + R·s is computed in float32
-    (float64 for a float64 ``w``) and rounded once to ``w``'s dtype."""
+    ``scale`` of s and the step's ``key``. ŵ = w + R·s is computed in float32 (float64 for a
+    float64 ``w``) and rounded once to ``w``'s dtype (R·s is exact: R ∈ {-2..2})."""
     layout.check(w)
     kernels = _triton_for(w)
     if kernels:
-        return kernels.perturb(w, scale.float(), layout, packed)
-    out = torch.empty_like(w)
+        return kernels.perturb(w, scale.float(), layout, key)
     dtype = _compute_dtype(w)
-    for lo, rows, r in _noise_chunks(packed, layout, dtype):
-        s = _expand(scale.to(dtype), rows, layout)
-        out[lo : lo + len(rows)] = (w[lo : lo + len(rows)].to(dtype) + r * s).to(w.dtype)
+    scale = scale.to(dtype)
+    out = torch.empty_like(w)
+    for lo, rows, r in _noise_chunks(layout, key, w, dtype):
+        part = w[lo : lo + len(rows)].to(dtype)
+        out[lo : lo + len(rows)] = torch.addcmul(part, r, _expand(scale, rows, layout))
     return out
 
 
-def noise_dot(grad: torch.Tensor, layout: ShardLayout, packed: torch.Tensor) -> torch.Tensor:
+def noise_dot(grad: torch.Tensor, layout: ShardLayout, key: int) -> torch.Tensor:
     """Σ_tile (grad ⊙ R) over this shard's part of every tile, on the full grid (float32,
     float64 for float64 ``grad``), 0 for tiles the shard does not touch."""
     dtype = _compute_dtype(grad)
     parts = []
-    for lo, rows, r in _noise_chunks(packed, layout, dtype):
-        prod = grad[lo : lo + len(rows)].to(dtype) * r
+    for lo, rows, r in _noise_chunks(layout, key, grad, dtype):
+        prod = r.mul_(grad[lo : lo + len(rows)])
         parts.append(segment_reduce(prod, 1, layout.col_range[0], layout.block, "sum"))
-    return block_reduce(None, layout, "sum", col_partial=torch.cat(parts))
+    col_partial = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return block_reduce(None, layout, "sum", col_partial=col_partial)
 
 
-def bits_grad(grad: torch.Tensor, scale: torch.Tensor, layout: ShardLayout,
-              packed: torch.Tensor, group=None) -> torch.Tensor:
+def bits_grad(grad: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
+              group=None) -> torch.Tensor:
     """Eq. 3: ∂L/∂b_t on the full grid from ∂L/∂ŵ of this shard; with ``group`` the shards'
     partial sums are all-reduced (SUM) so every rank returns the full gradient."""
-    dot = noise_dot(grad, layout, packed)
+    dot = noise_dot(grad, layout, key)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(dot, group=group)
     return -math.log(2.0) * scale.to(dot.dtype) * dot
@@ -159,23 +165,34 @@ class GaussSample(torch.autograd.Function):
         scale = block_scale(amax.to(_compute_dtype(w)), bits)
         ctx.save_for_backward(scale)
         ctx.key, ctx.layout, ctx.group, ctx.bits_dtype = key, layout, group, bits.dtype
-        return perturb(w, scale, layout, packed_noise(layout, key, w))
+        return perturb(w, scale, layout, key)
 
     @staticmethod
     def backward(ctx, grad_hat):
         (scale,) = ctx.saved_tensors
         grad_bits = None
         if ctx.needs_input_grad[1]:  # R regenerated from the key, never stored
-            packed = packed_noise(ctx.layout, ctx.key, grad_hat)
-            grad_bits = bits_grad(grad_hat, scale, ctx.layout, packed, ctx.group)
+            grad_bits = bits_grad(grad_hat, scale, ctx.layout, ctx.key, ctx.group)
             grad_bits = grad_bits.to(ctx.bits_dtype)
         return grad_hat, grad_bits, None, None, None, None
 
 
 def sample_weight(w: torch.Tensor, bits: torch.Tensor, key: int, layout: ShardLayout | None = None,
                   group=None) -> torch.Tensor:
+    """ŵ for the local weight ``w``: :func:`recomputable_sample`'s value."""
+    return recomputable_sample(w, bits, key, layout, group).value
+
+
+def recomputable_sample(w: torch.Tensor, bits: torch.Tensor, key: int,
+                        layout: ShardLayout | None = None, group=None) -> RecomputableWeight:
     """ŵ for the local weight ``w`` (``layout`` defaults to the whole weight): the tile
-    maxima (combined over the TP ``group`` when given), then :class:`GaussSample`."""
+    maxima (combined over the TP ``group`` when given), then :class:`GaussSample`; returned
+    as a :class:`~megatron_ext.precision.gemm.RecomputableWeight`, so a quantized GEMM keeps
+    ``w`` and rebuilds ŵ bit for bit in its backward (from the tile scales and the key)
+    instead of keeping ŵ."""
     layout = layout or ShardLayout.full(*w.shape)
     amax = all_reduce_block_amax(local_block_amax(w, layout), group)
-    return GaussSample.apply(w, bits, amax, key, layout, group)
+    w_hat = GaussSample.apply(w, bits, amax, key, layout, group)
+    scale = block_scale(amax.to(_compute_dtype(w)), bits)  # GaussSample's, once more
+    rebuild = functools.partial(perturb, scale=scale, layout=layout, key=key)
+    return RecomputableWeight(w_hat, w, rebuild)
