@@ -19,7 +19,8 @@ statistic; the median is written to the JSON too), each a full forward + backwar
 
 * ``plain``   — ``F.linear(x, w)``;
 * ``sample``  — ``F.linear(x, GaussSample(w))``: ŵ is a new tensor autograd keeps for dgrad;
-* ``regen``   — :class:`SampledLinear`: ŵ rebuilt in the backward from the key, nothing kept;
+* ``regen``   — the wired route: :func:`recomputable_sample` through the quantized GEMM
+  (no plan), which keeps w and rebuilds ŵ in the backward from the key;
 * ``defer``   — ``sample`` with the bit widths' gradient deferred to once per step
   (``GaussWSWeight(defer_bits_grad=True)``): R is generated in the forward only. The
   per-step pass (:meth:`GaussWSWeight.accumulate_bits_grad`) is timed apart (``step``).
@@ -52,15 +53,19 @@ from megatron_ext.methods.gaussws import (
     GaussSample,
     GaussWSConfig,
     GaussWSWeight,
-    SampledLinear,
     ShardLayout,
     local_block_amax,
+    recomputable_sample,
 )
+from megatron_ext.precision.gemm import quantized_gemm
+from megatron_ext.precision.sites import SiteFormats, resolve
 
 SITES = {"qkv": (256, 128), "proj": (128, 128), "fc1": (704, 128), "fc2": (128, 352)}
 """(out, in) features of the tiny Llama's sites (hidden 128, 4 heads in 2 groups, FFN 352,
 SwiGLU fc1 fused)."""
 KEY = 20240607
+PASSTHROUGH = resolve(SiteFormats())
+"""The quantized GEMM's operands with no plan (megatron's GEMM)."""
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -100,8 +105,7 @@ def _variants(out_f: int, in_f: int, tokens: int):
         return torch.nn.functional.linear(x, GaussSample.apply(w, bits, amax, KEY, layout))
 
     def regen():
-        amax = local_block_amax(w, layout)
-        return SampledLinear.apply(x, w, None, bits, amax, KEY, layout, None)
+        return quantized_gemm(x, recomputable_sample(w, bits, KEY, layout), None, PASSTHROUGH)
 
     def defer():
         amax = local_block_amax(w, layout)

@@ -103,8 +103,8 @@ def segment_reduce(t: torch.Tensor, dim: int, start: int, block: int, op: str):
     returns tiles ``start // block ..`` (partial tiles padded with 0 before reducing)."""
     before = start % block
     after = -(before + t.shape[dim]) % block
-    pad = (before, after) if dim == t.ndim - 1 else (0, 0, before, after)
-    t = F.pad(t, pad)
+    if before or after:
+        t = F.pad(t, (before, after) if dim == t.ndim - 1 else (0, 0, before, after))
     shape = list(t.shape)
     shape[dim : dim + 1] = [shape[dim] // block, block]
     t = t.reshape(shape)

@@ -72,8 +72,10 @@ def as_int64(v: int) -> int:
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser, in place on an int64 tensor holding 64-bit patterns."""
+    tmp = torch.empty_like(z)
     for shift, mult in zip(SHIFTS, (*MIX, None)):
-        z ^= (z >> shift) & ((1 << (64 - shift)) - 1)  # logical shift of the 64-bit pattern
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        z ^= tmp.bitwise_and_((1 << (64 - shift)) - 1)  # the logical shift of the pattern
         if mult is not None:
             z *= as_int64(mult)
     return z

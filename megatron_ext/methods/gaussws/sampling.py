@@ -117,10 +117,12 @@ def _expand(grid: torch.Tensor, rows: torch.Tensor, layout: ShardLayout) -> torc
     return grid.index_select(0, rows // layout.block).index_select(1, cols)
 
 
-def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int):
+def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
+            keep: list | None = None):
     """Eq. 1 without autograd: ŵ (``w``'s dtype) from the local ``w``, the full tile grid
     ``scale`` of s and the step's ``key``. ŵ = w + R·s is computed in float32 (float64 for a
-    float64 ``w``) and rounded once to ``w``'s dtype (R·s is exact: R ∈ {-2..2})."""
+    float64 ``w``) and rounded once to ``w``'s dtype (R·s is exact: R ∈ {-2..2}). ``keep``,
+    a list, receives the torch path's R chunks for one :func:`noise_dot` to use up."""
     layout.check(w)
     kernels = _triton_for(w)
     if kernels:
@@ -128,18 +130,28 @@ def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int)
     dtype = _compute_dtype(w)
     scale = scale.to(dtype)
     out = torch.empty_like(w)
-    for lo, rows, r in _noise_chunks(layout, key, w, dtype):
-        part = w[lo : lo + len(rows)].to(dtype)
-        out[lo : lo + len(rows)] = torch.addcmul(part, r, _expand(scale, rows, layout))
+    for chunk in _noise_chunks(layout, key, w, dtype):
+        lo, rows, r = chunk
+        part, dest = w[lo : lo + len(rows)], out[lo : lo + len(rows)]
+        s = _expand(scale, rows, layout)
+        if dest.dtype == dtype:
+            torch.addcmul(part, r, s, out=dest)
+        else:
+            dest.copy_(torch.addcmul(part.to(dtype), r, s))
+        if keep is not None:
+            keep.append(chunk)
     return out
 
 
-def noise_dot(grad: torch.Tensor, layout: ShardLayout, key: int) -> torch.Tensor:
+def noise_dot(grad: torch.Tensor, layout: ShardLayout, key: int, kept: list | None = None):
     """Σ_tile (grad ⊙ R) over this shard's part of every tile, on the full grid (float32,
-    float64 for float64 ``grad``), 0 for tiles the shard does not touch."""
+    float64 for float64 ``grad``), 0 for tiles the shard does not touch. ``kept``: R's
+    chunks from :func:`perturb` (used up), else R is generated."""
     dtype = _compute_dtype(grad)
+    if not kept or kept[0][2].dtype != dtype:
+        kept = _noise_chunks(layout, key, grad, dtype)
     parts = []
-    for lo, rows, r in _noise_chunks(layout, key, grad, dtype):
+    for lo, rows, r in kept:
         prod = r.mul_(grad[lo : lo + len(rows)])
         parts.append(segment_reduce(prod, 1, layout.col_range[0], layout.block, "sum"))
     col_partial = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -147,34 +159,40 @@ def noise_dot(grad: torch.Tensor, layout: ShardLayout, key: int) -> torch.Tensor
 
 
 def bits_grad(grad: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
-              group=None) -> torch.Tensor:
+              group=None, kept: list | None = None) -> torch.Tensor:
     """Eq. 3: ∂L/∂b_t on the full grid from ∂L/∂ŵ of this shard; with ``group`` the shards'
-    partial sums are all-reduced (SUM) so every rank returns the full gradient."""
-    dot = noise_dot(grad, layout, key)
+    partial sums are all-reduced (SUM) so every rank returns the full gradient. ``kept``:
+    see :func:`noise_dot`."""
+    dot = noise_dot(grad, layout, key, kept)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(dot, group=group)
     return -math.log(2.0) * scale.to(dot.dtype) * dot
 
 
 class GaussSample(torch.autograd.Function):
-    """ŵ = GaussSample.apply(w, bits, amax, key, layout, group): eq. 1 forward, eq. 2-3
-    backward. ``bits`` (b_t) and ``amax`` are full tile grids; ``amax`` gets no gradient."""
+    """ŵ = GaussSample.apply(w, bits, amax, key, layout, group, kept): eq. 1 forward, eq. 2-3
+    backward. ``bits`` (b_t) and ``amax`` are full tile grids; ``amax`` gets no gradient;
+    ``kept`` (optional) is the list a rebuild of ŵ in the backward leaves R in, for eq. 3."""
 
     @staticmethod
-    def forward(ctx, w, bits, amax, key: int, layout: ShardLayout, group=None):
+    def forward(ctx, w, bits, amax, key: int, layout: ShardLayout, group=None, kept=None):
         scale = block_scale(amax.to(_compute_dtype(w)), bits)
         ctx.save_for_backward(scale)
         ctx.key, ctx.layout, ctx.group, ctx.bits_dtype = key, layout, group, bits.dtype
+        ctx.kept = kept
         return perturb(w, scale, layout, key)
 
     @staticmethod
     def backward(ctx, grad_hat):
         (scale,) = ctx.saved_tensors
         grad_bits = None
-        if ctx.needs_input_grad[1]:  # R regenerated from the key, never stored
-            grad_bits = bits_grad(grad_hat, scale, ctx.layout, ctx.key, ctx.group)
+        if ctx.needs_input_grad[1]:  # R regenerated from the key (or the rebuild's), not stored
+            kept = ctx.kept[:] if ctx.kept else None
+            if ctx.kept:
+                ctx.kept.clear()
+            grad_bits = bits_grad(grad_hat, scale, ctx.layout, ctx.key, ctx.group, kept)
             grad_bits = grad_bits.to(ctx.bits_dtype)
-        return grad_hat, grad_bits, None, None, None, None
+        return grad_hat, grad_bits, None, None, None, None, None
 
 
 def sample_weight(w: torch.Tensor, bits: torch.Tensor, key: int, layout: ShardLayout | None = None,
@@ -189,10 +207,12 @@ def recomputable_sample(w: torch.Tensor, bits: torch.Tensor, key: int,
     maxima (combined over the TP ``group`` when given), then :class:`GaussSample`; returned
     as a :class:`~megatron_ext.precision.gemm.RecomputableWeight`, so a quantized GEMM keeps
     ``w`` and rebuilds ŵ bit for bit in its backward (from the tile scales and the key)
-    instead of keeping ŵ."""
+    instead of keeping ŵ. The rebuild, which runs just before eq. 3 in the same backward,
+    hands its R on to eq. 3 (one generation of R per backward, not two)."""
     layout = layout or ShardLayout.full(*w.shape)
     amax = all_reduce_block_amax(local_block_amax(w, layout), group)
-    w_hat = GaussSample.apply(w, bits, amax, key, layout, group)
+    kept = [] if bits.requires_grad else None
+    w_hat = GaussSample.apply(w, bits, amax, key, layout, group, kept)
     scale = block_scale(amax.to(_compute_dtype(w)), bits)  # GaussSample's, once more
-    rebuild = functools.partial(perturb, scale=scale, layout=layout, key=key)
+    rebuild = functools.partial(perturb, scale=scale, layout=layout, key=key, keep=kept)
     return RecomputableWeight(w_hat, w, rebuild)

@@ -11,7 +11,7 @@ import torch
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.methods.gaussws import GaussWSConfig
+from megatron_ext.methods.gaussws import GaussWSConfig, noise
 from megatron_ext.methods.gaussws.attach import SampledSites
 from megatron_ext.precision.layers import quantized_class
 from megatron_ext.precision.policies import UNIFORM
@@ -72,12 +72,16 @@ def test_a_sampled_linear_saves_no_w_hat(name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_rebuilt_w_hat_computes_what_a_kept_w_hat_computes(name):
+def test_rebuilt_w_hat_computes_what_a_kept_w_hat_computes(name, monkeypatch):
     """The same layer with the transform's ŵ handed on as a plain tensor (autograd keeps it):
-    output and every gradient (x, w, bias, b_i) bit for bit."""
+    output and every gradient (x, w, bias, b_i) bit for bit. R is generated once in each
+    pass: the backward's rebuild of ŵ hands its R on to eq. 3."""
     x, dy = torch.randn(S, B, K), torch.randn(S, B, N)
+    calls, real = [], noise.noise_block
+    monkeypatch.setattr(noise, "noise_block", lambda *a: calls.append(a) or real(*a))
     results = []
     for recompute in (True, False):
+        calls.clear()
         layer, sites = _layer(FORMATS[name], True)
         if not recompute:
             layer.transforms = (lambda m, x_, w: (x_, sites.transform(m, x_, w)[1].value),)
@@ -86,6 +90,7 @@ def test_rebuilt_w_hat_computes_what_a_kept_w_hat_computes(name):
         out, _ = layer(xs)
         out.backward(dy)
         results.append([out.detach(), xs.grad, *(p.grad for p in layer.parameters())])
+        assert len(calls) == 2  # forward; backward (rebuild + eq. 3, or eq. 3 alone)
     assert len(results[0]) == 5 and all(t is not None for t in results[0])  # y; x, w, bias, b_i
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
