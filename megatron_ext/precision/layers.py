@@ -17,7 +17,9 @@ same collectives in the same places:
 A site's formats are the mutable attribute ``formats`` (a
 :class:`~megatron_ext.precision.sites.SiteFormats`, passthrough at build), read on every call:
 switching formats between steps rebuilds nothing. With every operand passthrough the call goes
-to megatron's own ``_forward_impl``, so such a site *is* megatron's linear. On a GPU with
+to megatron's own ``_forward_impl``, so such a site *is* megatron's linear — unless an operand
+transform returned a :class:`~.gemm.RecomputableWeight`: then the quantized GEMM with
+passthrough operands runs, which keeps the weight's source instead of the transformed weight. On a GPU with
 Transformer Engine, a site whose formats TE runs natively goes through TE
 (:mod:`megatron_ext.precision.te`) unless the class was built with ``te_allowed=False``.
 """

@@ -88,6 +88,12 @@ class ShardLayout:
         """Tiles of the full weight: ``(ceil(M/block), ceil(N/block))``."""
         return tuple(-(-d // self.block) for d in self.full_shape)
 
+    @property
+    def is_full(self) -> bool:
+        """Whether the local tensor is the whole weight (TP=1)."""
+        return self.row_ranges == ((0, self.full_shape[0]),) and self.col_range == (
+            0, self.full_shape[1])
+
     def global_rows(self, device=None) -> torch.Tensor:
         """Full-tensor index of each local row (int64)."""
         return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in self.row_ranges])
@@ -118,6 +124,8 @@ def block_reduce(t: torch.Tensor, layout: ShardLayout, op: str, col_partial=None
     b = layout.block
     if col_partial is None:
         col_partial = segment_reduce(t, 1, layout.col_range[0], b, op)
+    if layout.is_full:  # the whole weight: its tiles are the grid
+        return segment_reduce(col_partial, 0, 0, b, op)
     grid = torch.zeros(layout.grid_shape, dtype=col_partial.dtype, device=col_partial.device)
     c0 = layout.col_range[0] // b
     view = grid[:, c0 : c0 + col_partial.shape[1]]

@@ -90,9 +90,9 @@ def random_words(rows: torch.Tensor, start: int, count: int, full_cols: int, key
     """The SplitMix64 outputs (int64 bits, ``len(rows) x count``) of full-tensor rows ``rows``
     (int64) and draws ``start .. start + count - 1`` of each row (module docstring)."""
     q = torch.arange(start, start + count, dtype=torch.int64, device=rows.device)
-    z = rows[:, None] * as_int64(draws_per_row(full_cols) * GAMMA) + (
-        q * as_int64(GAMMA) + as_int64(key + GAMMA))
-    return mix64(z)
+    row_part = rows * as_int64(draws_per_row(full_cols) * GAMMA)
+    col_part = q.mul_(as_int64(GAMMA)).add_(as_int64(key + GAMMA))
+    return mix64(torch.add(row_part[:, None], col_part))
 
 
 def encode(a, b, c, d):

@@ -111,10 +111,19 @@ def _noise_chunks(layout: ShardLayout, key: int, like: torch.Tensor, dtype: torc
         yield lo, part, generate(part, c0, c1 - c0, layout.full_shape[1], key, dtype)
 
 
-def _expand(grid: torch.Tensor, rows: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """Per-element tile values for full rows ``rows`` x the layout's columns."""
-    cols = _indices(layout, grid.device)[1]
-    return grid.index_select(0, rows // layout.block).index_select(1, cols)
+def _scaled_add(w: torch.Tensor, r: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+                layout: ShardLayout, out: torch.Tensor) -> None:
+    """``out = w + r · s`` for full rows ``rows`` x the layout's columns, s from the tile
+    grid ``scale``: broadcast over each tile's columns when the columns are whole tiles,
+    else expanded per element."""
+    b, (c0, c1) = layout.block, layout.col_range
+    s_rows = scale.index_select(0, rows // b)
+    if c0 % b == 0 and (c1 - c0) % b == 0:
+        shape = (len(rows), (c1 - c0) // b, b)
+        s = s_rows[:, c0 // b : c1 // b, None]
+        torch.addcmul(w.view(shape), r.view(shape), s, out=out.view(shape))
+    else:
+        torch.addcmul(w, r, s_rows.index_select(1, _indices(layout, scale.device)[1]), out=out)
 
 
 def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
@@ -128,16 +137,17 @@ def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
     if kernels:
         return kernels.perturb(w, scale.float(), layout, key)
     dtype = _compute_dtype(w)
-    scale = scale.to(dtype)
+    scale, w = scale.to(dtype), w.contiguous()
     out = torch.empty_like(w)
     for chunk in _noise_chunks(layout, key, w, dtype):
         lo, rows, r = chunk
         part, dest = w[lo : lo + len(rows)], out[lo : lo + len(rows)]
-        s = _expand(scale, rows, layout)
         if dest.dtype == dtype:
-            torch.addcmul(part, r, s, out=dest)
+            _scaled_add(part, r, scale, rows, layout, dest)
         else:
-            dest.copy_(torch.addcmul(part.to(dtype), r, s))
+            tmp = torch.empty_like(r)
+            _scaled_add(part.to(dtype), r, scale, rows, layout, tmp)
+            dest.copy_(tmp)
         if keep is not None:
             keep.append(chunk)
     return out
@@ -170,16 +180,19 @@ def bits_grad(grad: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key:
 
 
 class GaussSample(torch.autograd.Function):
-    """ŵ = GaussSample.apply(w, bits, amax, key, layout, group, kept): eq. 1 forward, eq. 2-3
+    """ŵ = GaussSample.apply(w, bits, amax, key, layout, group, share): eq. 1 forward, eq. 2-3
     backward. ``bits`` (b_t) and ``amax`` are full tile grids; ``amax`` gets no gradient;
-    ``kept`` (optional) is the list a rebuild of ŵ in the backward leaves R in, for eq. 3."""
+    ``share`` (optional, a :class:`Rebuild`) receives s and hands eq. 3 the R of a rebuild of
+    ŵ made earlier in the same backward."""
 
     @staticmethod
-    def forward(ctx, w, bits, amax, key: int, layout: ShardLayout, group=None, kept=None):
+    def forward(ctx, w, bits, amax, key: int, layout: ShardLayout, group=None, share=None):
         scale = block_scale(amax.to(_compute_dtype(w)), bits)
         ctx.save_for_backward(scale)
         ctx.key, ctx.layout, ctx.group, ctx.bits_dtype = key, layout, group, bits.dtype
-        ctx.kept = kept
+        ctx.share = share
+        if share is not None:
+            share.scale = scale
         return perturb(w, scale, layout, key)
 
     @staticmethod
@@ -187,12 +200,29 @@ class GaussSample(torch.autograd.Function):
         (scale,) = ctx.saved_tensors
         grad_bits = None
         if ctx.needs_input_grad[1]:  # R regenerated from the key (or the rebuild's), not stored
-            kept = ctx.kept[:] if ctx.kept else None
-            if ctx.kept:
-                ctx.kept.clear()
+            kept = ctx.share.take() if ctx.share is not None else None
             grad_bits = bits_grad(grad_hat, scale, ctx.layout, ctx.key, ctx.group, kept)
             grad_bits = grad_bits.to(ctx.bits_dtype)
         return grad_hat, grad_bits, None, None, None, None, None
+
+
+class Rebuild:
+    """``Rebuild(layout, key, keep_r)(w)``: ŵ again from the local ``w``, bit for bit (the
+    GEMM's backward calls it for dgrad); s comes from :class:`GaussSample`'s forward, and with
+    ``keep_r`` the R it generates is kept for that backward's eq. 3 (:meth:`take`)."""
+
+    def __init__(self, layout: ShardLayout, key: int, keep_r: bool):
+        self.layout, self.key = layout, key
+        self.scale = None
+        self.kept = [] if keep_r else None
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return perturb(w, self.scale, self.layout, self.key, self.kept)
+
+    def take(self) -> list | None:
+        """The kept R chunks, handed over once (None when there are none)."""
+        kept, self.kept = self.kept, [] if self.kept is not None else None
+        return kept or None
 
 
 def sample_weight(w: torch.Tensor, bits: torch.Tensor, key: int, layout: ShardLayout | None = None,
@@ -211,8 +241,6 @@ def recomputable_sample(w: torch.Tensor, bits: torch.Tensor, key: int,
     hands its R on to eq. 3 (one generation of R per backward, not two)."""
     layout = layout or ShardLayout.full(*w.shape)
     amax = all_reduce_block_amax(local_block_amax(w, layout), group)
-    kept = [] if bits.requires_grad else None
-    w_hat = GaussSample.apply(w, bits, amax, key, layout, group, kept)
-    scale = block_scale(amax.to(_compute_dtype(w)), bits)  # GaussSample's, once more
-    rebuild = functools.partial(perturb, scale=scale, layout=layout, key=key, keep=kept)
+    rebuild = Rebuild(layout, key, keep_r=bits.requires_grad)
+    w_hat = GaussSample.apply(w, bits, amax, key, layout, group, rebuild)
     return RecomputableWeight(w_hat, w, rebuild)
