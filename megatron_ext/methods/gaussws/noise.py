@@ -32,7 +32,7 @@ on (key, i, j, N): any slice — a TP shard's rows or columns — is generated o
 equals the full tensor's slice bit for bit, and the backward pass regenerates the forward's
 R from the key alone. In torch the arithmetic is int64 (multiplication and addition wrap
 modulo 2^64 with the unsigned result's bits; the logical shifts are arithmetic shifts
-masked): 13 elementwise passes over a quarter of the elements, where Philox4x32-10 took ~100
+masked): 12 elementwise passes over a quarter of the elements, where Philox4x32-10 took ~100
 over an eighth.
 
 **Seeds (§3.7).** run seed -> per-site seed (a hash of the run seed and the global site id,
