@@ -90,9 +90,11 @@ class ShardLayout:
 
     @property
     def is_full(self) -> bool:
-        """Whether the local tensor is the whole weight (TP=1)."""
-        return self.row_ranges == ((0, self.full_shape[0]),) and self.col_range == (
-            0, self.full_shape[1])
+        """Whether the local tensor is the whole weight in order (TP=1; fc1's two halves
+        then meet)."""
+        ends = [0] + [hi for _, hi in self.row_ranges]
+        return (all(lo == end for (lo, _), end in zip(self.row_ranges, ends))
+                and ends[-1] == self.full_shape[0] and self.col_range == (0, self.full_shape[1]))
 
     def global_rows(self, device=None) -> torch.Tensor:
         """Full-tensor index of each local row (int64)."""
