@@ -10,7 +10,9 @@ bytes per parameter.
 GaussWS, with ``--gaussws od`` and with ``--gaussws all`` (:data:`TRAIN_RUNS`), one thread,
 ``--rounds`` rounds interleaved; per run the median after ``--skip`` warm-up steps of the
 step's CPU time (:func:`cpu_timer`: the work, robust to other jobs on a shared machine) and of
-its wall time (``step_time_s``), then the median over rounds and the ratio to the plain run.
+its wall time (``step_time_s``), and its fastest step's CPU time (on a heavily shared machine
+contention inflates CPU time too; the minimum is the stable statistic), then the median over
+rounds and the ratio to the plain run.
 
 Variants per site, timed interleaved in one run (so load from other jobs hits all alike),
 the fastest of ``--repeats`` rounds (on a shared machine the minimum is the stable
@@ -19,16 +21,16 @@ statistic; the median is written to the JSON too), each a full forward + backwar
 
 * ``plain``   — ``F.linear(x, w)``;
 * ``sample``  — ``F.linear(x, GaussSample(w))``: ŵ is a new tensor autograd keeps for dgrad;
-* ``regen``   — :class:`SampledLinear`: ŵ rebuilt in the backward from the key, nothing kept;
+* ``regen``   — the wired route: :func:`recomputable_sample` through the quantized GEMM
+  (no plan), which keeps w and rebuilds ŵ in the backward from the key;
 * ``defer``   — ``sample`` with the bit widths' gradient deferred to once per step
   (``GaussWSWeight(defer_bits_grad=True)``): R is generated in the forward only. The
   per-step pass (:meth:`GaussWSWeight.accumulate_bits_grad`) is timed apart (``step``).
 
 The sampled variants include the tile maxima, R's generation and (but ``defer``) its
-regeneration and eq. 3 in the backward. Bytes: ``saved`` is what autograd keeps beyond
-the existing x, w and bias (measured with saved-tensor hooks); ``state`` is b_i with its
-gradient and two AdamW moments (float32); ``transient`` is the packed R alive during a
-pass (0.5 byte per element).
+regeneration and eq. 3 in the backward (``regen`` also rebuilds ŵ there). Bytes: ``saved``
+is what autograd keeps beyond the existing x, w and bias (measured with saved-tensor
+hooks); ``state`` is b_i with its gradient and two AdamW moments (float32).
 """
 
 from __future__ import annotations
@@ -52,15 +54,19 @@ from megatron_ext.methods.gaussws import (
     GaussSample,
     GaussWSConfig,
     GaussWSWeight,
-    SampledLinear,
     ShardLayout,
     local_block_amax,
+    recomputable_sample,
 )
+from megatron_ext.precision.gemm import quantized_gemm
+from megatron_ext.precision.sites import SiteFormats, resolve
 
 SITES = {"qkv": (256, 128), "proj": (128, 128), "fc1": (704, 128), "fc2": (128, 352)}
 """(out, in) features of the tiny Llama's sites (hidden 128, 4 heads in 2 groups, FFN 352,
 SwiGLU fc1 fused)."""
 KEY = 20240607
+PASSTHROUGH = resolve(SiteFormats())
+"""The quantized GEMM's operands with no plan (megatron's GEMM)."""
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -100,8 +106,7 @@ def _variants(out_f: int, in_f: int, tokens: int):
         return torch.nn.functional.linear(x, GaussSample.apply(w, bits, amax, KEY, layout))
 
     def regen():
-        amax = local_block_amax(w, layout)
-        return SampledLinear.apply(x, w, None, bits, amax, KEY, layout, None)
+        return quantized_gemm(x, recomputable_sample(w, bits, KEY, layout), None, PASSTHROUGH)
 
     def defer():
         amax = local_block_amax(w, layout)
@@ -161,7 +166,6 @@ def measure_site(out_f: int, in_f: int, args) -> dict:
     result.update({f"{name}_saved_B_per_param": saved_bytes(run, existing) / params
                    for name, run in runs.items() if name != "plain"})
     result["state_B_per_param"] = tiles * 4 * 4 / params
-    result["transient_B_per_param"] = -(-in_f // 8) * 4 * out_f / params
     return result
 
 
@@ -187,15 +191,17 @@ def cpu_timer(controller) -> Extension:
 
 def _train_once(run_dir: Path, flags: list[str], skip: int, script: str) -> dict[str, float]:
     """One ``--train`` run in a child process (``script`` with :data:`CHILD`): medians of step
-    CPU and wall time (s)."""
+    CPU and wall time (s), and the fastest step's CPU time (``step_cpu_min_s``: the statistic
+    least moved by other jobs)."""
     cmd = [sys.executable, str(Path(script).resolve()), CHILD, "--no-save", "--run-dir",
            str(run_dir), "--log-interval", "1", "--eval-iters", "0", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
         steps = [r for r in map(json.loads, f) if "step_cpu_s" in r and r["step"] > skip]
-    return {key: statistics.median(r[key] for r in steps)
-            for key in ("step_cpu_s", "step_time_s")}
+    times = {key: statistics.median(r[key] for r in steps)
+             for key in ("step_cpu_s", "step_time_s")}
+    return {**times, "step_cpu_min_s": min(r["step_cpu_s"] for r in steps)}
 
 
 def train_step_times(args, runs: dict[str, list[str]] = TRAIN_RUNS,
@@ -210,17 +216,18 @@ def train_step_times(args, runs: dict[str, list[str]] = TRAIN_RUNS,
             for name, flags in runs.items():
                 results[name].append(_train_once(Path(tmp) / f"{name}-{round_}",
                                                  [*common, *flags], args.skip, script))
-    base = {k: statistics.median(r[k] for r in results["plain"])
-            for k in ("step_cpu_s", "step_time_s")}
+    keys = ("step_cpu_s", "step_time_s", "step_cpu_min_s")
+    base = {k: statistics.median(r[k] for r in results["plain"]) for k in keys}
     print(f"tiny Llama, embedded corpus, one thread, steps {args.skip + 1}-{args.train_iters}, "
           f"{args.rounds} rounds: median over rounds of each run's median step")
     w = max(map(len, runs)) + 1
-    print(f"{'run':<{w}}{'CPU ms':>8}{'x plain':>9}{'wall ms':>9}{'x plain':>9}   CPU ms per round")
+    print(f"{'run':<{w}}{'CPU ms':>8}{'x plain':>9}{'wall ms':>9}{'x plain':>9}{'min CPU':>9}"
+          f"{'x plain':>9}   CPU ms per round")
     for name, rounds in results.items():
-        cpu, wall = (statistics.median(r[k] for r in rounds)
-                     for k in ("step_cpu_s", "step_time_s"))
+        cpu, wall, fast = (statistics.median(r[k] for r in rounds) for k in keys)
         print(f"{name:<{w}}{1e3 * cpu:8.1f}{cpu / base['step_cpu_s']:9.3f}{1e3 * wall:9.1f}"
-              f"{wall / base['step_time_s']:9.3f}   "
+              f"{wall / base['step_time_s']:9.3f}{1e3 * fast:9.1f}"
+              f"{fast / base['step_cpu_min_s']:9.3f}   "
               + " ".join(f"{1e3 * r['step_cpu_s']:.1f}" for r in rounds), flush=True)
     return results
 
@@ -238,12 +245,12 @@ def run(argv) -> None:
           "forward+backward (fastest round), ratio to plain; bytes per parameter")
     names = ("plain", "sample", "regen", "defer", "step")
     print(f"{'site':5}" + "".join(f"{n:>8}" for n in names) + "  x sample  x regen  x defer"
-          "  saved(sample) saved(regen) state transient")
+          "  saved(sample) saved(regen) state")
     for site, r in results.items():
         print(f"{site:5}" + "".join(f"{r[n]:8.3f}" for n in names)
               + "".join(f"{r[f'{n}_ratio']:9.2f}" for n in ("sample", "regen", "defer"))
               + f"{r['sample_saved_B_per_param']:15.3f}{r['regen_saved_B_per_param']:13.4f}"
-              f"{r['state_B_per_param']:7.4f}{r['transient_B_per_param']:10.3f}")
+              f"{r['state_B_per_param']:7.4f}")
     for group, sites in (("od", ("proj", "fc2")), ("all", tuple(SITES))):
         plain = sum(results[s]["plain"] for s in sites)
         ratios = {n: sum(results[s][n] for s in sites) / plain for n in ("regen", "defer")}

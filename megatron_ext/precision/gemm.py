@@ -37,12 +37,27 @@ local to their blocks: equal to the unsharded tensor's wherever no block straddl
 edge. Stochastic-rounding formats (``+sr``, SNIP's FP4 ``dy``) draw
 from torch's default generator, whose state the checkpoint saves.
 
+**Recomputable weights.** A weight operand transform (a method's ŵ = f(w), see
+:mod:`.layers`) may hand the GEMM a :class:`RecomputableWeight` instead of a tensor: ŵ plus
+the tensor it was made from and a function that rebuilds ŵ from it bit for bit. The GEMM
+then saves the source (the parameter, alive anyway) where it would save ŵ, and rebuilds ŵ
+in the backward for dgrad: no ŵ-sized tensor outlives the forward. Where dgrad reuses
+fprop's quantized weight (above), that quantized copy is not kept either: the backward
+rebuilds ŵ and quantizes it again with fprop's format — the same ``q(ŵ)`` bit for bit,
+since :attr:`GemmOperands.dgrad_reuses_fprop_w` implies a deterministic format (a
+tensor-wide scale repeats its amax all-reduce there) — trading one more quantization for
+the copy's memory. ŵ's gradient is dgrad's usual ``dw``; autograd routes it into the
+transform's own backward.
+
 The backward is *not* autograd of the quantized forward: with straight-through estimators
 autograd would reuse fprop's ``q(w)`` and ``q(x)`` along K, where the hardware GEMMs quantize
 along N and T. Each gradient here is exactly the product its GEMM row above names.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -75,23 +90,40 @@ def whole_tensor_amax(t: torch.Tensor, fmt: Format, group) -> torch.Tensor | Non
     return amax
 
 
+@dataclass(frozen=True)
+class RecomputableWeight:
+    """A weight operand the GEMM may rebuild in its backward instead of keeping it."""
+
+    value: torch.Tensor
+    """The transformed weight (ŵ), with autograd: its gradient reaches the transform."""
+    source: torch.Tensor
+    """The tensor ŵ is made from (the parameter w, kept alive anyway): what the GEMM saves."""
+    rebuild: Callable[[torch.Tensor], torch.Tensor]
+    """``rebuild(source)``: ``value``'s data bit for bit, no autograd (same key, same ŵ)."""
+
+
 class QuantizedGemm(torch.autograd.Function):
     """``y = x @ w.T + b`` with the operand formats of one site (see the module docstring).
 
     ``x`` may have leading dims (megatron passes ``[s, b, K]``); ``ops`` is read when the
     function is applied, so changing a layer's formats between steps needs no rebuild;
-    ``group`` is the layer's tensor-parallel group (None without TP).
+    ``group`` is the layer's tensor-parallel group (None without TP); ``recompute``, when
+    given, is the :class:`RecomputableWeight` whose ``value`` is ``weight``.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                ops: GemmOperands, group=None) -> torch.Tensor:
+                ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None):
         w_fprop = quantize(weight, ops.fprop_w, axis=1, group=group)
         output = torch.matmul(quantize(x, ops.fprop_x, axis=-1, group=group), w_fprop.t())
         if bias is not None:
             output = output + bias
         ctx.ops, ctx.group, ctx.use_bias = ops, group, bias is not None
-        ctx.save_for_backward(x, w_fprop if ops.dgrad_reuses_fprop_w else weight)
+        ctx.rebuild = recompute.rebuild if recompute is not None else None
+        if recompute is not None:
+            ctx.save_for_backward(x, recompute.source)
+        else:
+            ctx.save_for_backward(x, w_fprop if ops.dgrad_reuses_fprop_w else weight)
         return output
 
     @staticmethod
@@ -100,10 +132,8 @@ class QuantizedGemm(torch.autograd.Function):
         ops, group = ctx.ops, ctx.group
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            # w along N = w.T (K, N) along its last dim; .t() of a passthrough w.t() is w
-            w_dgrad = (w if ops.dgrad_reuses_fprop_w
-                       else quantize(w.t(), ops.dgrad_w, -1, group).t())
-            grad_input = torch.matmul(quantize(grad_output, ops.dgrad_dy, -1, group), w_dgrad)
+            grad_input = torch.matmul(quantize(grad_output, ops.dgrad_dy, -1, group),
+                                      _dgrad_weight(ctx, w))
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
         if ctx.needs_input_grad[1]:
             # along T: quantize dy.T (N, T) and x.T (K, T) along their last dim, which
@@ -113,10 +143,27 @@ class QuantizedGemm(torch.autograd.Function):
                                        quantize(x2.t(), ops.wgrad_x, -1, group).t())
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def quantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   ops: GemmOperands, group=None) -> torch.Tensor:
-    """Apply :class:`QuantizedGemm` (autograd functions take no keywords)."""
+def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:
+    """dgrad's weight operand (N, K) from what the forward saved: fprop's quantized weight,
+    the weight to quantize along N, or the source of a :class:`RecomputableWeight`."""
+    ops = ctx.ops
+    if ctx.rebuild is not None:
+        saved = ctx.rebuild(saved)
+        if ops.dgrad_reuses_fprop_w:
+            return quantize(saved, ops.fprop_w, axis=1, group=ctx.group)
+    elif ops.dgrad_reuses_fprop_w:
+        return saved
+    # w along N = w.T (K, N) along its last dim; .t() of a passthrough w.t() is w
+    return quantize(saved.t(), ops.dgrad_w, -1, ctx.group).t()
+
+
+def quantized_gemm(x: torch.Tensor, weight: torch.Tensor | RecomputableWeight,
+                   bias: torch.Tensor | None, ops: GemmOperands, group=None) -> torch.Tensor:
+    """Apply :class:`QuantizedGemm` (autograd functions take no keywords); a
+    :class:`RecomputableWeight` is rebuilt in the backward instead of kept."""
+    if isinstance(weight, RecomputableWeight):
+        return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight)
     return QuantizedGemm.apply(x, weight, bias, ops, group)

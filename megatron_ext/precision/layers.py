@@ -17,7 +17,9 @@ same collectives in the same places:
 A site's formats are the mutable attribute ``formats`` (a
 :class:`~megatron_ext.precision.sites.SiteFormats`, passthrough at build), read on every call:
 switching formats between steps rebuilds nothing. With every operand passthrough the call goes
-to megatron's own ``_forward_impl``, so such a site *is* megatron's linear. On a GPU with
+to megatron's own ``_forward_impl``, so such a site *is* megatron's linear — unless an operand
+transform returned a :class:`~.gemm.RecomputableWeight`: then the quantized GEMM with
+passthrough operands runs, which keeps the weight's source instead of the transformed weight. On a GPU with
 Transformer Engine, a site whose formats TE runs natively goes through TE
 (:mod:`megatron_ext.precision.te`) unless the class was built with ``te_allowed=False``.
 """
@@ -34,7 +36,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from megatron_ext.precision import te
-from megatron_ext.precision.gemm import quantized_gemm
+from megatron_ext.precision.gemm import RecomputableWeight, quantized_gemm
 from megatron_ext.sites import site_id
 from megatron_ext.precision.sites import SiteFormats, resolve
 
@@ -51,7 +53,10 @@ class QuantizedLinear:
     transforms: tuple = ()
     """Operand transforms, ``transform(module, input, weight) -> (input, weight)``, applied in
     order before the GEMM (a method's weight perturbation: the plan then quantizes the result);
-    set per module with :func:`add_transform`."""
+    set per module with :func:`add_transform`. A transform may return the weight as a
+    :class:`~.gemm.RecomputableWeight`: the quantized GEMM then keeps the source and rebuilds
+    the transformed weight in its backward (the next transform, an observer or Transformer
+    Engine get its ``value``, and keep what they keep)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -62,17 +67,24 @@ class QuantizedLinear:
 
     def _forward_impl(self, input, weight, **kwargs):
         for transform in self.transforms:
-            input, weight = transform(self, input, weight)
+            input, weight = transform(self, input, _value(weight))
         if self.observer is not None:  # an observed pass (megatron_ext.precision.observe)
-            return self.observer(self, input, weight, kwargs)
+            return self.observer(self, input, _value(weight), kwargs)
         ops = resolve(self.formats)
-        if ops.passthrough:
+        recomputable = isinstance(weight, RecomputableWeight)
+        if ops.passthrough and not recomputable:  # else the GEMM below, to rebuild ŵ
             return super()._forward_impl(input=input, weight=weight, **kwargs)
         input = tp_input(input, kwargs)
-        recipe = te.device_recipe(self.formats, input) if self.te_allowed else None
+        recipe = (te.device_recipe(self.formats, input)
+                  if self.te_allowed and not ops.passthrough else None)
         if recipe is not None:
-            return te.te_linear(self, input, weight, kwargs["bias"], recipe)
+            return te.te_linear(self, input, _value(weight), kwargs["bias"], recipe)
         return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"])
+
+
+def _value(weight):
+    """The weight tensor of a transform's output (a :class:`RecomputableWeight`'s value)."""
+    return weight.value if isinstance(weight, RecomputableWeight) else weight
 
 
 def tp_input(input, kwargs: dict):

@@ -21,9 +21,9 @@ def w_hat_probe(controller) -> Extension:
         shards = {}
         for sid, module in quantized_linears(run.model).items():
             if hasattr(module, "gaussws"):
-                _, w_hat = module.transforms[0](module, None, module.weight)
+                _, w_hat = module.transforms[0](module, None, module.weight)  # recomputable
                 layout = module.gaussws.layout
-                shards[sid] = (w_hat.detach().cpu(), layout.row_ranges, layout.col_range,
+                shards[sid] = (w_hat.value.detach().cpu(), layout.row_ranges, layout.col_range,
                                layout.full_shape)
         torch.save(shards, os.path.join(args.run_dir, f"w_hat_rank{dist.get_rank()}.pt"))
         return None

@@ -3,25 +3,32 @@ that adds FP-friendly noise to chosen weights, with a learnable bit width per 32
 
 Numerics core, then the training wiring (``docs/gaussws.md``):
 
-* :mod:`.noise` — R ≈ round(N(0,1)/2) from random bits (eq. 7-8), 8 four-bit codes per
-  int32, counter-based (Philox) so any slice of a weight's stream is generated on its own;
-  the seed hierarchy run -> site -> step (:class:`NoiseSeeds`);
+* :mod:`.noise` — R ≈ round(N(0,1)/2) from random bits (eq. 7-8), 16 bits per element
+  from a counter-based generator (SplitMix64) so any slice of a weight's stream is
+  generated on its own; the seed hierarchy run -> site -> step (:class:`NoiseSeeds`);
 * :mod:`.layout` — tile geometry on the full weight, TP shards (:class:`ShardLayout`), tile
   maxima of a shard and their all-reduce MAX combine;
-* :mod:`.sampling` — eq. 1-3 (:class:`GaussSample`, :func:`perturb`, :func:`bits_grad`) and
-  eq. 6's bound; :mod:`.linear` — a linear that regenerates ŵ in its backward;
+* :mod:`.sampling` — eq. 1-3 (:class:`GaussSample`, :func:`perturb`, :func:`bits_grad`),
+  ŵ as a weight the quantized GEMM rebuilds in its backward (:func:`recomputable_sample`)
+  and eq. 6's bound;
 * :mod:`.weight` — eq. 9's b_i parameter per weight (:class:`GaussWSWeight`), eq. 10;
 * :mod:`.config` — :class:`GaussWSConfig` and the ``--gaussws*`` flags;
-* :mod:`.triton_kernels` — the CUDA path (packed R generation; unpack + scaled add);
+* :mod:`.triton_kernels` — the CUDA path (R generation; R generation + scaled add);
 * :mod:`.attach` — b_i per sampled site, the operand transform returning ŵ, eq. 6 from the
   plan; :mod:`.extension` — ``gaussws_extension``: the hooks (eq. 10, metrics, checkpoint).
 """
 
 from .config import GaussWSConfig, add_arguments, parse_sites
 from .layout import ShardLayout, all_reduce_block_amax, combine_block_amax, local_block_amax
-from .linear import SampledLinear
 from .noise import NoiseSeeds
-from .sampling import GaussSample, bits_grad, format_mantissa_bits, perturb, underflow_bound
+from .sampling import (
+    GaussSample,
+    bits_grad,
+    format_mantissa_bits,
+    perturb,
+    recomputable_sample,
+    underflow_bound,
+)
 from .weight import GaussWSWeight, bitwidth_loss
 
 __all__ = [
@@ -29,7 +36,6 @@ __all__ = [
     "GaussWSConfig",
     "GaussWSWeight",
     "NoiseSeeds",
-    "SampledLinear",
     "ShardLayout",
     "add_arguments",
     "all_reduce_block_amax",
@@ -40,5 +46,6 @@ __all__ = [
     "local_block_amax",
     "parse_sites",
     "perturb",
+    "recomputable_sample",
     "underflow_bound",
 ]

@@ -7,14 +7,16 @@ the platform's quantized linear):
 * **forward** — the site's operand transforms run before its GEMM
   (``precision.layers.QuantizedLinear._forward_impl``); :meth:`SampledSites.transform` returns
   ``ŵ = w + R ⊙ s`` (eq. 1) from the local weight shard, the site's ``b_i`` (eq. 9, clamped
-  at eq. 6's bound) and the step's Philox key ``NoiseSeeds(seed).key("L3.fc2", t)``. The key
+  at eq. 6's bound) and the step's key ``NoiseSeeds(seed).key("L3.fc2", t)``. The key
   is set once per step (:attr:`SampledSites.step`), so every micro-batch of the step — and a
   recomputed forward — samples the same ŵ (the paper's "virtual batch", §3.7). The plan then
-  quantizes ŵ as the GEMM's weight operand (``module.formats.w``), like any weight.
-* **backward** — :class:`~.sampling.GaussSample` passes ∂L/∂ŵ to w unchanged (eq. 2) and
-  regenerates R from the key for ∂L/∂b_t (eq. 3): nothing of R is stored. Autograd keeps ŵ
-  itself for the dgrad GEMM (what the GEMM saves: the plan's quantized ŵ, or ŵ in the
-  weight's dtype when the site passes its weight through).
+  quantizes ŵ as the GEMM's weight operand (``module.formats.w``), like any weight. ŵ is
+  handed over as a :class:`~megatron_ext.precision.gemm.RecomputableWeight`: the GEMM keeps
+  w (the parameter), not ŵ nor its quantized copy.
+* **backward** — the GEMM rebuilds ŵ from w, the tile scales and the key for dgrad (bit for
+  bit: R is counter-based, the add deterministic); :class:`~.sampling.GaussSample` passes
+  ∂L/∂ŵ to w unchanged (eq. 2) and computes ∂L/∂b_t (eq. 3) with the R of that rebuild.
+  Nothing of R or ŵ is stored between the passes: the tile grid of s (0.004 byte per weight).
 * **evaluation** — a module in ``eval()`` mode uses w: sampling is a training device.
 
 Tensor parallelism: the site's :class:`~.layout.ShardLayout` places the local shard in the
@@ -106,13 +108,14 @@ class SampledSites:
         add_transform(chunks, list(self.modules), self.transform)
 
     def transform(self, module, input, weight):
-        """The operand transform: (x, w) -> (x, ŵ) in training, (x, w) in evaluation."""
+        """The operand transform: (x, w) -> (x, ŵ) in training (ŵ recomputable: the GEMM
+        keeps w and rebuilds ŵ in its backward), (x, w) in evaluation."""
         if not module.training:
             return input, weight
         group = module.tp_group if module.tp_group.size() > 1 else None
         key = self.seeds.key(module.site_id, self.step)
         bound = max_bits(module.formats, weight.dtype)
-        return input, module.gaussws(weight, key, bound, group)
+        return input, module.gaussws.sample(weight, key, bound, group)
 
     def bits(self, sid: str) -> torch.Tensor:
         """b_t of a site as its GEMMs use it now (eq. 9, clamped by eq. 6), with autograd."""

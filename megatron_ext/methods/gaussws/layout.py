@@ -88,6 +88,14 @@ class ShardLayout:
         """Tiles of the full weight: ``(ceil(M/block), ceil(N/block))``."""
         return tuple(-(-d // self.block) for d in self.full_shape)
 
+    @property
+    def is_full(self) -> bool:
+        """Whether the local tensor is the whole weight in order (TP=1; fc1's two halves
+        then meet)."""
+        ends = [0] + [hi for _, hi in self.row_ranges]
+        return (all(lo == end for (lo, _), end in zip(self.row_ranges, ends))
+                and ends[-1] == self.full_shape[0] and self.col_range == (0, self.full_shape[1]))
+
     def global_rows(self, device=None) -> torch.Tensor:
         """Full-tensor index of each local row (int64)."""
         return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in self.row_ranges])
@@ -103,8 +111,8 @@ def segment_reduce(t: torch.Tensor, dim: int, start: int, block: int, op: str):
     returns tiles ``start // block ..`` (partial tiles padded with 0 before reducing)."""
     before = start % block
     after = -(before + t.shape[dim]) % block
-    pad = (before, after) if dim == t.ndim - 1 else (0, 0, before, after)
-    t = F.pad(t, pad)
+    if before or after:
+        t = F.pad(t, (before, after) if dim == t.ndim - 1 else (0, 0, before, after))
     shape = list(t.shape)
     shape[dim : dim + 1] = [shape[dim] // block, block]
     t = t.reshape(shape)
@@ -118,6 +126,8 @@ def block_reduce(t: torch.Tensor, layout: ShardLayout, op: str, col_partial=None
     b = layout.block
     if col_partial is None:
         col_partial = segment_reduce(t, 1, layout.col_range[0], b, op)
+    if layout.is_full:  # the whole weight: its tiles are the grid
+        return segment_reduce(col_partial, 0, 0, b, op)
     grid = torch.zeros(layout.grid_shape, dtype=col_partial.dtype, device=col_partial.device)
     c0 = layout.col_range[0] // b
     view = grid[:, c0 : c0 + col_partial.shape[1]]

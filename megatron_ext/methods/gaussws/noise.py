@@ -14,19 +14,26 @@ random bits ``A0..A3 B0..B3 C0..C3 D0..D3`` (D3 unused):
     |R| = 1 if E1, 2 if E2 (never both: B0 vs ~B0), else 0;  sign = B1
 
 Eq. 8's exact probabilities follow (each magnitude splits evenly over the sign bit).
+:func:`encode` evaluates this on nibbles (a 4-bit sign-magnitude code: bit 0 |R| = 1,
+bit 1 |R| = 2, bit 3 negative, set only when |R| > 0), word-parallel: on four words it
+encodes every nibble position at once. The torch path applies it once, to all 2^16 bit
+patterns, and looks each element's 16 bits up in that table (:func:`value_table`): one
+gather instead of ~25 elementwise passes; the Triton kernel evaluates it per element.
 
-**Codes.** An element is a 4-bit sign-magnitude code (bit 0: |R| = 1, bit 1: |R| = 2,
-bit 3: negative, set only when |R| > 0); element ``k`` of a 32-bit word is its nibble
-``k`` (bits 4k..4k+3), so 8 elements share a word (0.5 byte per element). The construction
-above is word-parallel: element k's bits are the nibble-k bits of four random words
-``A, B, C, D``, and shifts/ANDs of whole words evaluate all 8 elements at once.
+**Counter-based randomness: SplitMix64.** Element (i, j) of the full M x N weight takes
+its 16 bits from lane ``j mod 4`` (bits 16·(j mod 4) ..) of one 64-bit SplitMix64 output
+(Steele, Lea & Flood 2014, the generator of Java's ``SplittableRandom``; passes BigCrush):
 
-**Counter-based randomness.** The four words of packed word ``q`` of full-tensor row ``i``
-are one Philox4x32-10 block (Salmon et al. 2011, the paper's PRNG reference; identical to
-Triton's ``tl.randint4x``) with counter ``i · ceil(N / 8) + q`` and a 64-bit key. So R of
-element (i, j) of the full M x N weight depends only on (key, i, j, N): any slice — a TP
-shard's rows or columns — is generated on its own and equals the full tensor's slice bit for
-bit, and the backward pass regenerates the forward's R from the key alone.
+    z = key + (n + 1) · γ   (mod 2^64),   n = i · ceil(N / 4) + j div 4,   γ = 0x9E3779B97F4A7C15
+    z = (z ^ z >> 30) · 0xBF58476D1CE4E5B9;  z = (z ^ z >> 27) · 0x94D049BB133111EB;  z ^ z >> 31
+
+(the n-th output of the sequential generator seeded with ``key``). So R(i, j) depends only
+on (key, i, j, N): any slice — a TP shard's rows or columns — is generated on its own and
+equals the full tensor's slice bit for bit, and the backward pass regenerates the forward's
+R from the key alone. In torch the arithmetic is int64 (multiplication and addition wrap
+modulo 2^64 with the unsigned result's bits; the logical shifts are arithmetic shifts
+masked): 12 elementwise passes over a quarter of the elements, where Philox4x32-10 took ~100
+over an eighth.
 
 **Seeds (§3.7).** run seed -> per-site seed (a hash of the run seed and the global site id,
 so each pipeline stage derives its own layers' seeds independently) -> per-step key (a hash
@@ -44,42 +51,53 @@ from dataclasses import dataclass
 
 import torch
 
-PHILOX_ROUNDS = 10
-"""Philox rounds (Random123's and Triton's default)."""
-
-_MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+GAMMA = 0x9E3779B97F4A7C15
+"""SplitMix64's increment (the golden ratio times 2^64, odd)."""
+MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+"""SplitMix64's two finaliser multipliers."""
+SHIFTS = (30, 27, 31)
+"""SplitMix64's three finaliser xor-shifts."""
+ELEMS_PER_DRAW = 4
+"""Elements per 64-bit output (16 bits each)."""
 _NIBBLE0 = 0x11111111  # bit 0 of every nibble
-assert sys.byteorder == "little", "unpack reads packed int32 words byte by byte"
-ELEMS_PER_WORD = 8
-"""R codes per packed 32-bit word."""
-CHUNK_WORDS = 1 << 17
-"""Packed words generated per pass on the torch path (bounds its int64 temporaries)."""
+assert sys.byteorder == "little", "lane k of an int64 viewed as 16-bit words is bits 16k.."
 
 
-def philox4x32(c0, c1, c2, c3, key: int, rounds: int = PHILOX_ROUNDS):
-    """Philox4x32 on int64 tensors holding uint32 counters; ``key`` is a 64-bit int
-    (low word k0, high word k1). Returns the four output words (int64, in [0, 2^32)).
-
-    The 32 x 32 -> 64-bit products are int64 multiplications: a product of two values below
-    2^32 fits in 64 bits, and torch's int64 multiply wraps modulo 2^64 (two's complement), so
-    the result's bits are the unsigned product's (high word: ``>> 32`` then masked). The
-    low words c1, c3 stay unmasked inside the loop: their stray high bits only reach c0, c2
-    through XORs that are masked before the next multiply."""
-    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
-    for _ in range(rounds):
-        pa, pb = c0 * _ROUND_A, c2 * _ROUND_B
-        c0, c2 = ((pb >> 32) ^ c1 ^ k0) & _MASK32, ((pa >> 32) ^ c3 ^ k1) & _MASK32
-        c1, c3 = pb, pa
-        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return c0, c1 & _MASK32, c2, c3 & _MASK32
+def as_int64(v: int) -> int:
+    """A 64-bit pattern as the int64 with the same bits."""
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
 
 
-def encode(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Eq. 7-8: eight packed R codes from four random 32-bit words (int64 in, int64 out,
-    same construction on every nibble; see the module docstring)."""
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser, in place on an int64 tensor holding 64-bit patterns."""
+    tmp = torch.empty_like(z)
+    for shift, mult in zip(SHIFTS, (*MIX, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        z ^= tmp.bitwise_and_((1 << (64 - shift)) - 1)  # the logical shift of the pattern
+        if mult is not None:
+            z *= as_int64(mult)
+    return z
+
+
+def draws_per_row(cols: int) -> int:
+    """64-bit outputs per row of a ``cols``-wide full tensor."""
+    return -(-cols // ELEMS_PER_DRAW)
+
+
+def random_words(rows: torch.Tensor, start: int, count: int, full_cols: int, key: int):
+    """The SplitMix64 outputs (int64 bits, ``len(rows) x count``) of full-tensor rows ``rows``
+    (int64) and draws ``start .. start + count - 1`` of each row (module docstring)."""
+    q = torch.arange(start, start + count, dtype=torch.int64, device=rows.device)
+    row_part = rows * as_int64(draws_per_row(full_cols) * GAMMA)
+    col_part = q.mul_(as_int64(GAMMA)).add_(as_int64(key + GAMMA))
+    return mix64(torch.add(row_part[:, None], col_part))
+
+
+def encode(a, b, c, d):
+    """Eq. 7-8 on every nibble of four random words (ints or int64 tensors): the 4-bit codes
+    (module docstring), nibble k of the result from nibble k of ``a``, ``b``, ``c``, ``d``."""
     t = a | (a >> 1)
     e1 = t & (t >> 2) & b
     cc = c & (c >> 1)
@@ -88,72 +106,43 @@ def encode(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -
     return (e1 & _NIBBLE0) | ((e2 & _NIBBLE0) << 1) | ((sign & _NIBBLE0) << 3)
 
 
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """uint32 values held in int64 -> the same bits as int32."""
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
-def words_per_row(cols: int) -> int:
-    """Packed words per row of a ``cols``-wide full tensor."""
-    return -(-cols // ELEMS_PER_WORD)
-
-
-def packed_noise(
-    rows: torch.Tensor, word_start: int, n_words: int, full_cols: int, key: int
-) -> torch.Tensor:
-    """Packed R (int32, ``len(rows) x n_words``) of full-tensor rows ``rows`` (global row
-    indices, int64) and packed-word columns ``word_start .. word_start + n_words - 1`` of a
-    full tensor ``full_cols`` wide — the torch reference (the Triton kernel is bit-identical)."""
-    out = torch.empty(len(rows), n_words, dtype=torch.int32, device=rows.device)
-    q = torch.arange(word_start, word_start + n_words, dtype=torch.int64, device=rows.device)
-    step = max(1, CHUNK_WORDS // max(n_words, 1))
-    for lo in range(0, len(rows), step):
-        counter = rows[lo : lo + step, None] * words_per_row(full_cols) + q
-        zero = torch.zeros_like(counter)
-        a, b, c, d = philox4x32(counter & _MASK32, counter >> 32, zero, zero, key)
-        out[lo : lo + step] = _to_int32(encode(a, b, c, d))
-    return out
+def code_value(code):
+    """R of a 4-bit code."""
+    return (code & 3) * (1 - 2 * ((code >> 3) & 1))
 
 
 @functools.lru_cache(maxsize=None)
-def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """256 x 2 table: the R values of a byte's low and high nibble."""
-    codes = torch.arange(256)
-    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=1)
-    return ((nibbles & 3) * (1 - 2 * (nibbles >> 3))).to(dtype).to(device)
-
-
-def unpack(packed: torch.Tensor, col_offset: int, n_cols: int, dtype: torch.dtype):
-    """R values (``dtype``, ``rows x n_cols``) of packed words whose first word starts
-    ``col_offset`` (0..7) elements before the first wanted column. A table lookup per byte
-    (a little-endian int32 holds nibbles 0, 1 in its first byte, and so on)."""
-    rows = packed.shape[0]
-    index = packed.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
-    values = _byte_values(dtype, packed.device).index_select(0, index).view(rows, -1)
-    return values[:, col_offset : col_offset + n_cols]
+def value_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """R of each of the 2^16 bit patterns ``A0..A3 B0..B3 C0..C3 D0..D3`` (bit 0 first)."""
+    p = torch.arange(1 << 16)
+    code = encode(p & 15, (p >> 4) & 15, (p >> 8) & 15, (p >> 12) & 15)
+    return code_value(code).to(dtype).to(device)
 
 
 def noise_block(rows: torch.Tensor, col_start: int, n_cols: int, full_cols: int, key: int,
-                dtype: torch.dtype = torch.float32, generate=None) -> torch.Tensor:
-    """R of full-tensor rows ``rows`` x columns ``col_start .. col_start + n_cols - 1``
-    (``generate``: :func:`packed_noise` by default, or the Triton kernel)."""
-    word_start = col_start // ELEMS_PER_WORD
-    n_words = words_per_row(col_start + n_cols) - word_start
-    packed = (generate or packed_noise)(rows, word_start, n_words, full_cols, key)
-    return unpack(packed, col_start - word_start * ELEMS_PER_WORD, n_cols, dtype)
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """R (``dtype``) of full-tensor rows ``rows`` (int64) x columns ``col_start ..
+    col_start + n_cols - 1`` of a full tensor ``full_cols`` wide — the torch reference (the
+    Triton kernel is bit-identical)."""
+    first = col_start // ELEMS_PER_DRAW
+    count = draws_per_row(col_start + n_cols) - first
+    lanes = random_words(rows, first, count, full_cols, key).view(torch.uint16)
+    offset = col_start - first * ELEMS_PER_DRAW
+    index = lanes[:, offset : offset + n_cols].to(torch.int32)
+    return value_table(dtype, rows.device).index_select(0, index.view(-1)).view(index.shape)
 
 
 def _mix64(z: int) -> int:
     """One splitmix64 output step (add the golden gamma, then its finaliser): a bijection."""
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (z + GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * MIX[0]) & _MASK64
+    z = ((z ^ (z >> 27)) * MIX[1]) & _MASK64
     return z ^ (z >> 31)
 
 
 @dataclass(frozen=True)
 class NoiseSeeds:
-    """The seed hierarchy of §3.7: run seed -> per-site seed -> per-step Philox key."""
+    """The seed hierarchy of §3.7: run seed -> per-site seed -> per-step key."""
 
     run_seed: int
     """The run's seed (``--seed``); with the step number it is all a resume needs."""
@@ -165,6 +154,6 @@ class NoiseSeeds:
         return _mix64(_mix64(self.run_seed & _MASK64) ^ int.from_bytes(digest, "little"))
 
     def key(self, site_id: str, step: int) -> int:
-        """The Philox key of ``site_id`` at optimizer step ``step`` (every micro-batch of a
-        step, forward and backward, uses it). Kept below 2^63 so a kernel takes it as int64."""
+        """The SplitMix64 key of ``site_id`` at optimizer step ``step`` (every micro-batch of
+        a step, forward and backward, uses it). Kept below 2^63 so a kernel takes it as int64."""
         return _mix64(self.site_seed(site_id) ^ _mix64(step)) >> 1

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.precision.gemm import RecomputableWeight
+
 from .config import GaussWSConfig
 from .layout import ShardLayout, all_reduce_block_amax, local_block_amax
-from .sampling import bits_grad, block_scale, packed_noise, sample_weight
+from .sampling import bits_grad, block_scale, recomputable_sample
 
 
 class GaussWSWeight(torch.nn.Module):
@@ -46,14 +48,20 @@ class GaussWSWeight(torch.nn.Module):
         return b if max_bits is None else b.clamp(max=max_bits)
 
     def forward(self, w: torch.Tensor, key: int, max_bits: float | None = None, group=None,
-                defer_bits_grad: bool = False):
-        """ŵ (eq. 1) of the local weight ``w`` with the step's ``key``; ``group`` is the
-        layer's TP group when ``w`` is a shard (tile maxima and b_t gradients are reduced
-        over it). With ``defer_bits_grad`` the backward only passes ∂L/∂ŵ to w (no R
-        regeneration): call :meth:`accumulate_bits_grad` once per step instead."""
+                defer_bits_grad: bool = False) -> torch.Tensor:
+        """ŵ (eq. 1): :meth:`sample`'s value."""
+        return self.sample(w, key, max_bits, group, defer_bits_grad).value
+
+    def sample(self, w: torch.Tensor, key: int, max_bits: float | None = None, group=None,
+               defer_bits_grad: bool = False) -> RecomputableWeight:
+        """ŵ (eq. 1) of the local weight ``w`` with the step's ``key``, as a weight the
+        quantized GEMM rebuilds in its backward instead of keeping; ``group`` is the layer's
+        TP group when ``w`` is a shard (tile maxima and b_t gradients are reduced over it).
+        With ``defer_bits_grad`` the backward only passes ∂L/∂ŵ to w (no R regeneration):
+        call :meth:`accumulate_bits_grad` once per step instead."""
         bits = self.bits(max_bits)
-        return sample_weight(w, bits.detach() if defer_bits_grad else bits, key, self.layout,
-                             group)
+        return recomputable_sample(w, bits.detach() if defer_bits_grad else bits, key,
+                                   self.layout, group)
 
     def accumulate_bits_grad(self, w: torch.Tensor, w_grad: torch.Tensor, key: int,
                              max_bits: float | None = None, group=None) -> None:
@@ -65,8 +73,7 @@ class GaussWSWeight(torch.nn.Module):
         amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)
         bits = self.bits(max_bits)
         scale = block_scale(amax, bits)  # amax: float32, float64 for a float64 w
-        packed = packed_noise(self.layout, key, w)
-        grad = bits_grad(w_grad, scale, self.layout, packed, group)
+        grad = bits_grad(w_grad, scale, self.layout, key, group)
         bits.backward(grad.to(bits.dtype))
 
     @torch.no_grad()

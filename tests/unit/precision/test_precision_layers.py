@@ -8,7 +8,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.precision.cost import ModelShape
-from megatron_ext.precision.gemm import quantized_gemm
+from megatron_ext.precision.gemm import RecomputableWeight, quantized_gemm
 from megatron_ext.precision.layers import (
     quantized_class,
     quantized_linear_classes,
@@ -156,6 +156,36 @@ def test_operand_transforms_run_beneath_the_plan(formats):
     want = _step(doubled, x, dy)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[2], 2.0 * want[2])  # d(2w)/dw = 2
+
+
+@pytest.mark.parametrize("formats", [
+    SiteFormats(), UNIFORM["fp8"],  # passthrough; dgrad reuses fprop's q(w)
+    SiteFormats("fp8_e4m3@tile128", "fp8_e4m3@tile128", "fp8_e4m3@tile128")])  # afresh
+def test_a_recomputable_weight_is_rebuilt_in_the_backward_not_kept(formats):
+    """A transform returning a RecomputableWeight: the same output and gradients, bit for
+    bit, as returning the tensor; the GEMM keeps the source, and rebuilds once (for dgrad)."""
+    _, kept = _pair(ColumnParallelLinear, False, skip_bias_add=False)
+    _, rebuilt = _pair(ColumnParallelLinear, False, skip_bias_add=False)
+    rebuilt.load_state_dict(kept.state_dict())
+    calls = []
+
+    def rebuild(w):
+        calls.append(w)
+        return w * 1.5 + 0.25
+
+    kept.transforms = (lambda module, x, w: (x, w * 1.5 + 0.25),)
+    rebuilt.transforms = (lambda module, x, w: (x, RecomputableWeight(w * 1.5 + 0.25, w, rebuild)),)
+    kept.formats = rebuilt.formats = formats
+    x, dy = torch.randn(5, 2, H), torch.randn(5, 2, F)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        got = _step(rebuilt, x, dy)
+    ptr = rebuilt.weight.untyped_storage().data_ptr()
+    assert len(calls) == 1 and calls[0].untyped_storage().data_ptr() == ptr  # the parameter
+    assert all(t.untyped_storage().data_ptr() == ptr for t in saved
+               if t.shape == rebuilt.weight.shape)  # no copy of w or ŵ kept
+    for a, b in zip(got, _step(kept, x, dy), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_observed_pass_isolates_the_rng_and_always_detaches(tiny_model):

@@ -19,11 +19,11 @@ KEYS = [0, 1, 12345, 2**31 + 5, 2**63 - 1]
 
 
 @pytest.mark.parametrize("key", KEYS)
-def test_packed_noise_is_the_torch_stream(key):
+def test_noise_is_the_torch_stream(key):
     rows = torch.tensor([0, 1, 2, 31, 32, 77, 4000])
-    for word_start, n_words, full_cols in [(0, 40, 320), (3, 20, 300), (0, 1, 5), (44, 1, 352)]:
-        expected = noise.packed_noise(rows, word_start, n_words, full_cols, key)
-        assert torch.equal(tk.packed_noise(rows, word_start, n_words, full_cols, key), expected)
+    for col_start, n_cols, full_cols in [(0, 320, 320), (3, 150, 300), (0, 5, 5), (349, 3, 352)]:
+        expected = noise.noise_block(rows, col_start, n_cols, full_cols, key)
+        assert torch.equal(tk.noise_block(rows, col_start, n_cols, full_cols, key), expected)
 
 
 LAYOUTS = [
@@ -50,9 +50,8 @@ def test_perturb_is_the_torch_path_bit_for_bit(layout, dtype):
     w = w.to(dtype)
     bits = 2 + 6 * torch.rand(layout.grid_shape, generator=gen)
     scale = sampling.block_scale(local_block_amax(w, layout), bits)
-    packed = sampling.packed_noise(layout, 99, w)  # the torch generator (CPU tensor)
-    expected = sampling.perturb(w, scale, layout, packed)
-    assert _same_bits(tk.perturb(w, scale, layout, packed), expected)
+    expected = sampling.perturb(w, scale, layout, 99)  # the torch path (CPU tensor)
+    assert _same_bits(tk.perturb(w, scale, layout, 99), expected)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, near max
@@ -63,8 +62,7 @@ def test_perturb_rounding_at_the_bfloat16_edges():
     w[2, :4] = torch.tensor([1.0, -1.0, 2.0**-133, -1e-39])  # bf16 subnormals
     w[3, :2] = float("nan")
     scale = torch.tensor([[1e38, 2.0**-140]], dtype=torch.float32)
-    packed = sampling.packed_noise(layout, 3, w)
-    got, expected = tk.perturb(w, scale, layout, packed), sampling.perturb(w, scale, layout, packed)
+    got, expected = tk.perturb(w, scale, layout, 3), sampling.perturb(w, scale, layout, 3)
     assert _same_bits(got, expected) and torch.isinf(got).any()
     assert got[2, 2] != 0 and torch.isnan(got[3, 0])
 
@@ -73,4 +71,4 @@ def test_regenerated_noise_for_the_backward_matches():
     layout = ShardLayout.tensor_parallel((128, 352), 2, 1, dim=1)
     rows = layout.global_rows()
     r_torch = noise.noise_block(rows, 176, 176, 352, key=7)
-    assert torch.equal(noise.noise_block(rows, 176, 176, 352, 7, generate=tk.packed_noise), r_torch)
+    assert torch.equal(tk.noise_block(rows, 176, 176, 352, 7), r_torch)

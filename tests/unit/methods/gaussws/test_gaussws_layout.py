@@ -32,6 +32,7 @@ def _local(full: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
 SHARDINGS = [
     ((128, 352), 2, 1, 1), ((128, 128), 2, 1, 1), ((704, 128), 2, 0, 2), ((384, 128), 2, 0, 1),
     ((100, 70), 2, 1, 1), ((100, 70), 2, 0, 1), ((120, 50), 4, 0, 2), ((40, 99), 3, 1, 1),
+    ((704, 128), 1, 0, 2), ((100, 70), 1, 0, 2),  # TP=1 SwiGLU: two meeting halves
 ]  # fmt: skip
 
 
@@ -42,6 +43,8 @@ def test_combined_partial_maxima_equal_the_full_tiles(shape, tp, dim, parts):
     assert sum(lay.shape[dim] for lay in layouts) == shape[dim]
     partials = [local_block_amax(_local(full, lay), lay) for lay in layouts]
     expected = _brute_force_tiles(full, 32, lambda t: t.abs().max())
+    sums = [block_reduce(_local(full, lay), lay, "sum") for lay in layouts]
+    assert (sum(sums) - _brute_force_tiles(full, 32, torch.sum)).abs().max() <= 1e-12
     assert torch.equal(combine_block_amax(partials), expected)
     assert torch.equal(local_block_amax(full, ShardLayout.full(*shape)), expected)
     if tp > 1:  # a lone shard sees only part of the grid

@@ -1,5 +1,5 @@
-"""R's generator: Philox against Random123's published answers, eq. 8 exactly (all bit
-patterns) and statistically (10^7 draws), codes, slices of the counter-based stream, seeds."""
+"""R's generator: SplitMix64 against its published answers and a Python reference, eq. 8
+exactly (all bit patterns) and statistically (10^7 draws), codes, slices of the stream, seeds."""
 
 import itertools
 import math
@@ -13,23 +13,37 @@ from megatron_ext.methods.gaussws.noise import NoiseSeeds
 EQ8 = {-2: 3 / 2048, -1: 9 / 64, 0: 1 - 18 / 64 - 6 / 2048, 1: 9 / 64, 2: 3 / 2048}
 
 
-def _t(v):
-    return torch.tensor([v], dtype=torch.int64)
+_M64 = (1 << 64) - 1
 
 
-# Random123 kat_vectors, philox4x32 with 10 rounds: (counter, key) -> output
-KAT = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-]  # fmt: skip
+def _splitmix64(seed: int, n: int) -> list[int]:
+    """The sequential generator in Python integers (Vigna's splitmix64.c): n outputs."""
+    out, state = [], seed
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & _M64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        out.append(z ^ (z >> 31))
+    return out
 
 
-@pytest.mark.parametrize("counter,key,expected", KAT)
-def test_philox_matches_random123_known_answers(counter, key, expected):
-    out = noise.philox4x32(*map(_t, counter), key[0] | key[1] << 32)
-    assert tuple(int(x) for x in out) == expected
+def test_splitmix64_known_answers():
+    """Seed 1234567's first outputs, as published (Rosetta Code, Splitmix64)."""
+    expected = [6457827717110365317, 3203168211198807973, 9817491932198370423,
+                4593380528125082431, 16408922859458223821]
+    assert _splitmix64(1234567, 5) == expected
+    got = noise.random_words(torch.tensor([0]), 0, 5, 20, key=1234567)[0]
+    assert [int(v) & _M64 for v in got] == expected
+
+
+@pytest.mark.parametrize("key", [0, 1, 2**62 + 12345, 2**63 - 1])
+def test_counter_is_row_times_draws_per_row_plus_draw(key):
+    """Draw q of row i is output i · ceil(N / 4) + q of the sequential generator."""
+    rows, full_cols = torch.tensor([0, 3, 7]), 37  # 10 draws per row
+    words = noise.random_words(rows, 2, 6, full_cols, key)
+    stream = _splitmix64(key, 80)
+    for r, row in enumerate(rows.tolist()):
+        assert [int(v) & _M64 for v in words[r]] == stream[row * 10 + 2 : row * 10 + 8]
 
 
 def _scalar_code(bits):
@@ -41,22 +55,19 @@ def _scalar_code(bits):
 
 
 def test_every_bit_pattern_gives_eq8_exactly():
-    """All 2^15 patterns of the 15 bits one element uses, placed in nibble 5 of the four
-    words: the code counts are eq. 8's probabilities times 2^15, and each code equals the
-    bit-by-bit formula."""
-    patterns = list(itertools.product((0, 1), repeat=15))
-    bits = torch.tensor(patterns, dtype=torch.int64)
-    words = []
-    for w in range(4):
-        nib = bits[:, 4 * w : 4 * w + 4]
-        weights = torch.tensor([1, 2, 4, 8][: nib.shape[1]])
-        words.append((nib * weights).sum(1) << 20)
-    packed = noise._to_int32(noise.encode(*words))
-    r = noise.unpack(packed[:, None], 5, 1, torch.int64)[:, 0]
-    assert r.tolist() == [_scalar_code(p) for p in patterns]
-    counts = {v: int((r == v).sum()) for v in EQ8}
-    assert counts == {v: round(p * 2**15) for v, p in EQ8.items()}
-    codes = (packed >> 20) & 0xF
+    """All 2^16 patterns of an element's 16 bits (D3 unused): the value table equals the
+    bit-by-bit formula, its counts are eq. 8's probabilities times 2^16, and the word-parallel
+    encode gives the same code in every nibble position."""
+    patterns = list(itertools.product((0, 1), repeat=16))
+    table = noise.value_table(torch.int64, torch.device("cpu"))
+    index = [sum(bit << k for k, bit in enumerate(p)) for p in patterns]
+    assert [int(table[i]) for i in index] == [_scalar_code(p[:15]) for p in patterns]
+    counts = {v: int((table == v).sum()) for v in EQ8}
+    assert counts == {v: round(p * 2**16) for v, p in EQ8.items()}
+    p = torch.arange(1 << 16)
+    a, b, c, d = ((p >> k) & 15 for k in (0, 4, 8, 12))
+    codes = noise.encode(a << 20, b << 20, c << 20, d << 20) >> 20  # nibble 5 of the words
+    assert torch.equal(noise.code_value(codes), table)
     assert set(codes.unique().tolist()) == {0, 1, 2, 9, 10}  # sign only with |R| > 0
 
 
@@ -82,13 +93,6 @@ def test_any_slice_equals_the_full_stream():
     for c0, width in [(0, 203), (3, 100), (101, 102), (200, 3), (96, 8), (13, 1)]:
         part = noise.noise_block(rows, c0, width, 203, key)
         assert torch.equal(part, full[rows][:, c0 : c0 + width])
-
-
-def test_generation_is_independent_of_the_chunk_size(monkeypatch):
-    rows = torch.arange(50)
-    whole = noise.packed_noise(rows, 2, 30, 400, key=5)
-    monkeypatch.setattr(noise, "CHUNK_WORDS", 64)  # two rows per chunk
-    assert torch.equal(noise.packed_noise(rows, 2, 30, 400, key=5), whole)
 
 
 def test_keys_and_streams_differ_where_they_should():

@@ -91,8 +91,8 @@ def test_backward_regenerates_the_forward_noise_bit_for_bit(monkeypatch):
     w[::32, ::32] = 1.0
     bits = torch.randint(3, 8, (2, 3), generator=_gen(1)).float().requires_grad_()
     calls = []
-    real = noise.packed_noise
-    monkeypatch.setattr(noise, "packed_noise", lambda *a: calls.append(a) or real(*a))
+    real = noise.noise_block
+    monkeypatch.setattr(noise, "noise_block", lambda *a: calls.append(a) or real(*a))
     w_hat = sample_weight(w, bits, KEY)
     s = torch.exp2(1 - bits.detach())
     s_full = s.repeat_interleave(32, 0).repeat_interleave(32, 1)
@@ -182,8 +182,7 @@ def test_row_chunking_changes_nothing(monkeypatch):
     layout = ShardLayout((200, 90), ((10, 50), (110, 150)), (7, 61), block=16)
     w = torch.randn(layout.shape, generator=_gen())
     scale = sampling.block_scale(local_block_amax(w, layout), torch.full(layout.grid_shape, 4.0))
-    packed = sampling.packed_noise(layout, KEY, w)
-    whole = (sampling.perturb(w, scale, layout, packed), sampling.noise_dot(w, layout, packed))
+    whole = (sampling.perturb(w, scale, layout, KEY), sampling.noise_dot(w, layout, KEY))
     monkeypatch.setattr(sampling, "CHUNK_ELEMS", 100)  # two rows per chunk
-    chunked = (sampling.perturb(w, scale, layout, packed), sampling.noise_dot(w, layout, packed))
+    chunked = (sampling.perturb(w, scale, layout, KEY), sampling.noise_dot(w, layout, KEY))
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])

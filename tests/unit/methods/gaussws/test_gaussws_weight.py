@@ -1,5 +1,5 @@
-"""Eq. 9 / 10 / 6 on the bit-width parameter, the settings and flags, and the linear that
-regenerates ŵ instead of storing it."""
+"""Eq. 9 / 10 / 6 on the bit-width parameter, the settings and flags, and eq. 3 once per
+step (the linear that rebuilds ŵ instead of keeping it: ``test_gaussws_memory.py``)."""
 
 import argparse
 
@@ -11,7 +11,6 @@ from megatron_ext.methods.gaussws import (
     GaussSample,
     GaussWSConfig,
     GaussWSWeight,
-    SampledLinear,
     ShardLayout,
     add_arguments,
     bitwidth_loss,
@@ -86,45 +85,6 @@ def test_sites_and_flags():
     for kw in ({"b_init": 4.0}, {"block": 0}, {"lam": -1.0}):
         with pytest.raises(UsageError):
             GaussWSConfig(("fc2",), **kw)
-
-
-def _saved_new_bytes(fn, *inputs):
-    """Bytes autograd saves for backward that do not share storage with ``inputs``."""
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = fn()
-    owned = {t.untyped_storage().data_ptr() for t in inputs}
-    new = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
-           if t.untyped_storage().data_ptr() not in owned}
-    return out, sum(new.values())
-
-
-def test_sampled_linear_matches_sample_then_linear_and_stores_no_w_hat():
-    x = torch.randn(3, 40, 352, requires_grad=True)
-    w = torch.randn(128, 352, requires_grad=True)
-    bias = torch.randn(128, requires_grad=True)
-    bits = torch.full((4, 11), 6.0, requires_grad=True)
-    layout = ShardLayout.full(128, 352)
-    amax = local_block_amax(w, layout)
-    dy = torch.randn(3, 40, 128)
-    results = []
-    for fused in (False, True):
-        def run():
-            if fused:
-                return SampledLinear.apply(x, w, bias, bits, amax, KEY, layout, None)
-            w_hat = GaussSample.apply(w, bits, amax, KEY, layout)
-            return torch.nn.functional.linear(x, w_hat, bias)
-
-        y, extra = _saved_new_bytes(run, x, w, bias, bits)
-        y.backward(dy)
-        results.append((y.detach(), extra, *(t.grad.clone() for t in (x, w, bias, bits))))
-        for t in (x, w, bias, bits):
-            t.grad = None
-    (y0, extra0, *grads0), (y1, extra1, *grads1) = results
-    assert torch.equal(y0, y1)
-    for a, b in zip(grads0, grads1):
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-    assert extra0 >= w.numel() * 4 and extra1 == bits.numel() * 4  # ŵ kept vs scale grid only
 
 
 def test_bits_grad_once_per_step_equals_the_micro_batch_sum():
