@@ -17,10 +17,16 @@ def _save_args(tmp_path, name):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def full_run(tmp_path_factory):
+    """The uninterrupted run's directory and checkpoints (saved at steps 4, 8, 12)."""
     tmp = tmp_path_factory.mktemp("full")
     launch([*FAST_ARGS, *TRAIN, *_save_args(tmp, "full")])
-    return train_losses(tmp / "full")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(full_run):
+    return train_losses(full_run / "full")
 
 
 def test_sigkill_then_resume_continues_identically(tmp_path, uninterrupted):
@@ -42,11 +48,10 @@ def test_sigkill_then_resume_continues_identically(tmp_path, uninterrupted):
         assert loss == uninterrupted[step], f"step {step}: {loss} != {uninterrupted[step]}"
 
 
-def test_resume_at_tp2_from_tp1_checkpoint(tmp_path, uninterrupted):
-    first = _save_args(tmp_path, "tp1")
-    launch([*FAST_ARGS, "--train-iters", "12", "--exit-interval", "4", *first])
+def test_resume_at_tp2_from_tp1_checkpoint(tmp_path, full_run, uninterrupted):
     launch([*FAST_ARGS, *TRAIN, "--run-dir", str(tmp_path / "tp2"), "--no-save",
-            "--load", first[-1], "--tensor-model-parallel-size", "2"], nproc=2)
+            "--load", str(full_run / "full-ckpt" / "iter_0000004"),
+            "--tensor-model-parallel-size", "2"], nproc=2)
     resumed = train_losses(tmp_path / "tp2")
     assert sorted(resumed) == list(range(5, 13))
     for step, loss in resumed.items():
@@ -59,12 +64,11 @@ def test_distributed_optimizer_resumes_exactly_at_the_same_and_another_dp_size(t
     and at DP=1: both continue the uninterrupted DP=2 run bit for bit (AdamW's moments and
     step restored — a lost step shows at the first update after the resume)."""
     flags = [*FAST_ARGS, "--train-iters", "4", "--use-distributed-optimizer"]
-    launch([*flags, "--run-dir", str(tmp_path / "full"), "--no-save"], nproc=2)
-    launch([*flags, "--exit-interval", "2", *_save_args(tmp_path, "first")], nproc=2)
+    launch([*flags, "--save-interval", "2", *_save_args(tmp_path, "full")], nproc=2)
     full = train_losses(tmp_path / "full")
     for name, nproc in (("dp2", 2), ("dp1", 1)):
         launch([*flags, "--run-dir", str(tmp_path / name), "--no-save",
-                "--load", str(tmp_path / "first-ckpt")], nproc=nproc)
+                "--load", str(tmp_path / "full-ckpt" / "iter_0000002")], nproc=nproc)
         assert train_losses(tmp_path / name) == {3: full[3], 4: full[4]}, name
 
 CRASH_ON_SECOND_SAVE = """
@@ -118,11 +122,10 @@ def test_finetune_takes_weights_only(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2]  # progress starts over
 
 
-def test_load_into_other_vocabulary_is_refused(tmp_path):
+def test_load_into_other_vocabulary_is_refused(tmp_path, full_run):
     # megatron itself would load the embedding zero-padded (allow_shape_mismatch): never silently
-    launch([*FAST_ARGS, "--train-iters", "2", *_save_args(tmp_path, "v384")])
     proc = launch([*FAST_ARGS, "--train-iters", "2", "--vocab-size", "1000", "--no-save",
-                   "--load", str(tmp_path / "v384-ckpt"), "--run-dir", str(tmp_path / "v1024")],
+                   "--load", str(full_run / "full-ckpt"), "--run-dir", str(tmp_path / "v1024")],
                   check=False)
     assert proc.returncode == 2
     assert "error: --load: 'embedding.word_embeddings.weight' has shape (384, 128)" in proc.stderr
