@@ -89,6 +89,7 @@ from megatron_ext.formats import get_format
 from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.layers import tp_group, tp_input
 from megatron_ext.precision.sites import PASSTHROUGH
+from megatron_ext.methods.snip.probe_noise import seeded_noise
 
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
 """Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
@@ -280,20 +281,9 @@ class SiteObserver:
         """Per-sample seeded N(0, 1) noise shaped like ``t`` ([s, b, ...]) for micro-batch
         ``micro`` of the pass; when ``shard_dim`` is given ``t`` is this TP rank's slice of
         a dim ``tp`` times larger (every rank draws the full tensor and keeps its slice)."""
-        offset = self.sample_offsets[micro]
         stream = 1 if self.mode == PROBE_BACKWARD else 2
-        full = list(t.shape)
-        if shard_dim is not None:
-            full[shard_dim] *= self.tp
-        per_sample = []
-        for b in range(t.shape[1]):
-            gen = torch.Generator().manual_seed(4 * (offset + b) + stream)
-            per_sample.append(torch.randn([full[0], *full[2:]], generator=gen,
-                                          dtype=torch.float64))
-        noise = torch.stack(per_sample, dim=1).to(t.device)  # drawn on the CPU generator
-        if shard_dim is not None:
-            noise = noise.narrow(shard_dim, self.tp_rank * t.shape[shard_dim], t.shape[shard_dim])
-        return noise
+        return seeded_noise(t, shard_dim, self.sample_offsets[micro], stream, self.tp,
+                            self.tp_rank)
 
     def _global_rms(self, t: torch.Tensor, partial: bool) -> float:
         total = t.detach().double().square().sum().reshape(1)
