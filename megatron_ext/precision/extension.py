@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
@@ -32,6 +33,7 @@ from megatron_ext.precision import dry_run, policies
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
 from megatron_ext.precision.layers import quantized_linear_classes
+from megatron_ext.precision.real_gemm import EXECUTION_CHOICES, describe
 from megatron_ext.precision.plan import PrecisionPlan, apply_plan, load_plan, save_plan, \
     verify_same_plan
 
@@ -54,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision-backend", choices=["auto", "emulated"], default="auto",
                    help="auto: sites Transformer Engine supports run through TE on a capable "
                         "GPU; emulated: always fake-quantize")
+    g.add_argument("--fp8-execution", choices=EXECUTION_CHOICES, default="auto",
+                   help="how a GEMM whose two operands are FP8 (e4m3/e5m2 per tensor, per row, "
+                        "1x128 tiles x 128x128 blocks) runs: real = torch._scaled_mm on FP8 data "
+                        "(CPU too, per tensor / per row); auto = real on a GPU with FP8 tensor "
+                        "cores (compute capability >= 8.9) wherever torch supports the scaling, "
+                        "emulated elsewhere; emulated = fake-quantize, then a high-precision "
+                        "GEMM. FP4 / MXFP4 / NVFP4 / MXFP8 are always emulated (Hopper has no "
+                        "FP4 or MX tensor cores): their speed-ups are cost-model estimates")
     g.add_argument("--override-precision-plan", action="store_true",
                    help="on --load, keep the flags' plan instead of the checkpoint's")
 
@@ -103,12 +113,15 @@ class PrecisionRun:
     def linear_classes(self, args):
         if self.controller.base is None and not self.controller.linears_for:
             return None
-        return quantized_linear_classes(te_allowed=args.precision_backend == "auto")
+        return quantized_linear_classes(te_allowed=args.precision_backend == "auto",
+                                        fp8_execution=args.fp8_execution)
 
     def after_setup(self, args, run, state) -> None:
         if self.controller.base is None:
             return
         self.model, self.args = run.model, args
+        if dist.get_rank() == 0:
+            print(describe(args.fp8_execution, _model_device(run.model)), flush=True)
         self.commit()
         run.checkpointer.register("precision_plan", self)
 
@@ -158,6 +171,11 @@ class PrecisionRun:
                   f"flags' plan ({before.method}); --override-precision-plan keeps the flags'",
                   flush=True)
         self.commit()
+
+
+def _model_device(model) -> torch.device:
+    chunk = model[0] if isinstance(model, (list, tuple)) else model
+    return next(chunk.parameters()).device
 
 
 def _summary(plan: PrecisionPlan, report: FlopReport) -> str:

@@ -49,6 +49,11 @@ tensor-wide scale repeats its amax all-reduce there) — trading one more quanti
 the copy's memory. ŵ's gradient is dgrad's usual ``dw``; autograd routes it into the
 transform's own backward.
 
+**Real FP8 GEMMs.** With ``real`` set (``--fp8-execution``), a GEMM whose two operands are
+both amax-scaled FP8 formats runs on FP8 data with ``torch._scaled_mm`` instead
+(:mod:`.real_gemm`), one GEMM at a time: a site may run fprop real and wgrad emulated. Its
+forward then keeps the unquantized weight, and dgrad quantizes it along N itself.
+
 The backward is *not* autograd of the quantized forward: with straight-through estimators
 autograd would reuse fprop's ``q(w)`` and ``q(x)`` along K, where the hardware GEMMs quantize
 along N and T. Each gradient here is exactly the product its GEMM row above names.
@@ -64,6 +69,7 @@ import torch.distributed as dist
 
 from megatron_ext.formats import Format, fake_quant
 from megatron_ext.formats.amax import finite_amax
+from megatron_ext.precision.real_gemm import fp8_gemm, runs_real
 from megatron_ext.precision.sites import GemmOperands
 
 
@@ -113,17 +119,23 @@ class QuantizedGemm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None):
-        w_fprop = quantize(weight, ops.fprop_w, axis=1, group=group)
-        output = torch.matmul(quantize(x, ops.fprop_x, axis=-1, group=group), w_fprop.t())
+                ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None,
+                real: bool = False):
+        x2 = x.reshape(-1, x.shape[-1])
+        if real and runs_real(ops.fprop_x, ops.fprop_w, x2, weight):
+            output = _fp8_gemm(x2, ops.fprop_x, weight, ops.fprop_w, group)
+            output = output.view(*x.shape[:-1], output.shape[-1])
+            kept_w = weight  # dgrad quantizes w itself (the same q(w) for square blocks)
+        else:
+            w_fprop = quantize(weight, ops.fprop_w, axis=1, group=group)
+            output = torch.matmul(quantize(x, ops.fprop_x, axis=-1, group=group), w_fprop.t())
+            kept_w = w_fprop if ops.dgrad_reuses_fprop_w else weight
         if bias is not None:
             output = output + bias
-        ctx.ops, ctx.group, ctx.use_bias = ops, group, bias is not None
+        ctx.ops, ctx.group, ctx.use_bias, ctx.real = ops, group, bias is not None, real
+        ctx.w_quantized = kept_w is not weight
         ctx.rebuild = recompute.rebuild if recompute is not None else None
-        if recompute is not None:
-            ctx.save_for_backward(x, recompute.source)
-        else:
-            ctx.save_for_backward(x, w_fprop if ops.dgrad_reuses_fprop_w else weight)
+        ctx.save_for_backward(x, recompute.source if recompute is not None else kept_w)
         return output
 
     @staticmethod
@@ -131,19 +143,38 @@ class QuantizedGemm(torch.autograd.Function):
         x, w = ctx.saved_tensors
         ops, group = ctx.ops, ctx.group
         grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = torch.matmul(quantize(grad_output, ops.dgrad_dy, -1, group),
-                                      _dgrad_weight(ctx, w))
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_input = _dgrad(ctx, dy, w).view(*grad_output.shape[:-1], -1)
         if ctx.needs_input_grad[1]:
             # along T: quantize dy.T (N, T) and x.T (K, T) along their last dim, which
             # fake_quant does without transposing its result back
             x2 = x.contiguous().view(-1, x.shape[-1])
-            grad_weight = torch.matmul(quantize(dy.t(), ops.wgrad_dy, -1, group),
-                                       quantize(x2.t(), ops.wgrad_x, -1, group).t())
+            if ctx.real and runs_real(ops.wgrad_dy, ops.wgrad_x, dy.t(), x2.t()):
+                grad_weight = _fp8_gemm(dy.t(), ops.wgrad_dy, x2.t(), ops.wgrad_x, group)
+            else:
+                grad_weight = torch.matmul(quantize(dy.t(), ops.wgrad_dy, -1, group),
+                                           quantize(x2.t(), ops.wgrad_x, -1, group).t())
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _fp8_gemm(a, fmt_a, b, fmt_b, group) -> torch.Tensor:
+    """A real FP8 ``a @ b.T`` (:mod:`.real_gemm`) with TP shards scaled as whole tensors."""
+    return fp8_gemm(a, fmt_a, b, fmt_b, whole_tensor_amax(a, fmt_a, group),
+                    whole_tensor_amax(b, fmt_b, group))
+
+
+def _dgrad(ctx, dy: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """dx = q(dy) @ q(w), ``dy`` flattened to ``(T, N)``: real FP8 where the forward kept the
+    unquantized weight and the formats allow, else emulated."""
+    ops = ctx.ops
+    if ctx.real and not ctx.w_quantized:
+        w = ctx.rebuild(saved) if ctx.rebuild is not None else saved
+        if runs_real(ops.dgrad_dy, ops.dgrad_w, dy, w.t()):
+            return _fp8_gemm(dy, ops.dgrad_dy, w.t(), ops.dgrad_w, ctx.group)
+    return torch.matmul(quantize(dy, ops.dgrad_dy, -1, ctx.group), _dgrad_weight(ctx, saved))
 
 
 def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:
@@ -154,16 +185,18 @@ def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:
         saved = ctx.rebuild(saved)
         if ops.dgrad_reuses_fprop_w:
             return quantize(saved, ops.fprop_w, axis=1, group=ctx.group)
-    elif ops.dgrad_reuses_fprop_w:
+    elif ctx.w_quantized:  # fprop's q(w), kept by an emulated forward
         return saved
     # w along N = w.T (K, N) along its last dim; .t() of a passthrough w.t() is w
     return quantize(saved.t(), ops.dgrad_w, -1, ctx.group).t()
 
 
 def quantized_gemm(x: torch.Tensor, weight: torch.Tensor | RecomputableWeight,
-                   bias: torch.Tensor | None, ops: GemmOperands, group=None) -> torch.Tensor:
+                   bias: torch.Tensor | None, ops: GemmOperands, group=None,
+                   real: bool = False) -> torch.Tensor:
     """Apply :class:`QuantizedGemm` (autograd functions take no keywords); a
-    :class:`RecomputableWeight` is rebuilt in the backward instead of kept."""
+    :class:`RecomputableWeight` is rebuilt in the backward instead of kept; ``real``: run
+    the GEMMs whose operands are both FP8 on the FP8 tensor cores (:mod:`.real_gemm`)."""
     if isinstance(weight, RecomputableWeight):
-        return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight)
-    return QuantizedGemm.apply(x, weight, bias, ops, group)
+        return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight, real)
+    return QuantizedGemm.apply(x, weight, bias, ops, group, None, real)

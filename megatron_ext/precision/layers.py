@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from megatron_ext.precision import te
 from megatron_ext.precision.gemm import RecomputableWeight, quantized_gemm
+from megatron_ext.precision.real_gemm import wants_real
 from megatron_ext.sites import site_id
 from megatron_ext.precision.sites import SiteFormats, resolve
 
@@ -48,6 +49,8 @@ class QuantizedLinear:
     """``L{i}.{site}`` of this class (set by :func:`quantized_class`)."""
     te_allowed: bool = True
     """Whether natively supported formats may run through Transformer Engine."""
+    fp8_execution: str = "emulated"
+    """``--fp8-execution``: ``auto``, ``real`` or ``emulated`` (:func:`.real_gemm.wants_real`)."""
     observer = None
     """During an observed pass (:mod:`.observe`): the callable that runs instead of the GEMM."""
     transforms: tuple = ()
@@ -79,7 +82,8 @@ class QuantizedLinear:
                   if self.te_allowed and not ops.passthrough else None)
         if recipe is not None:
             return te.te_linear(self, input, _value(weight), kwargs["bias"], recipe)
-        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"])
+        real = wants_real(self.fp8_execution, input.device)
+        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"], real)
 
 
 def _value(weight):
@@ -106,19 +110,20 @@ def tp_group():
 
 
 @lru_cache(maxsize=None)
-def quantized_class(base: type, layer: int, site: str, te_allowed: bool = True) -> type:
+def quantized_class(base: type, layer: int, site: str, te_allowed: bool = True,
+                    fp8_execution: str = "emulated") -> type:
     """``base`` (a megatron linear class) with its GEMM quantized, labelled ``L{layer}.{site}``."""
     name = f"Quantized{base.__name__}"
     return type(name, (QuantizedLinear, base),
                 {"site_id": site_id(layer, site), "te_allowed": te_allowed,
-                 "__module__": __name__, "__qualname__": name})
+                 "fp8_execution": fp8_execution, "__module__": __name__, "__qualname__": name})
 
 
-def quantized_linear_classes(te_allowed: bool = True):
+def quantized_linear_classes(te_allowed: bool = True, fp8_execution: str = "emulated"):
     """A ``linear_classes`` callback for ``training.model.layer_spec``: every site quantized."""
     def classes(layer: int, site: str) -> type:
         base = ColumnParallelLinear if site in ("qkv", "fc1") else RowParallelLinear
-        return quantized_class(base, layer, site, te_allowed)
+        return quantized_class(base, layer, site, te_allowed, fp8_execution)
 
     return classes
 

@@ -102,3 +102,20 @@ def test_nvfp4_kernel_takes_a_given_tensor_amax():
     ref = fake_quant_2d(x, fmt, tensor_amax=amax)
     assert_bits_equal(tk.fake_quant_2d(x, fmt, tensor_amax=amax), ref)
     assert not torch.equal(ref.nan_to_num(), fake_quant_2d(x, fmt).nan_to_num())
+
+
+@pytest.mark.parametrize("name,transposed", [("fp8_e4m3@tile128", False), ("fp8_e4m3@block128", True),
+                                             ("fp8_e5m2@row", True), ("fp8_e4m3", False)])
+def test_fp8_scale_and_cast_kernel_equals_the_torch_path(name, transposed):
+    from megatron_ext.formats import fp8, triton_fp8
+
+    fmt = get_format(name)
+    x = special_input((128, 256), torch.bfloat16)[:, :]
+    x[1, 1] = 1.0
+    x[2, 2] = -2.0  # finite: to_fp8's amax is not finite-filtered
+    operand = x.t().contiguous().t() if transposed else x
+    ref = fp8.to_fp8(operand, fmt)  # CPU tensors: the torch path
+    br, bc = fp8.block_shape(fmt, *x.shape)
+    quant = ref.scale.reciprocal()
+    got = triton_fp8.scale_and_cast(operand, quant, br, bc, fmt.element, ref.data.dtype)
+    assert torch.equal(got.view(torch.uint8), ref.data.view(torch.uint8))

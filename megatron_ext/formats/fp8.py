@@ -1,0 +1,105 @@
+"""FP8 operands for a real FP8 GEMM: E4M3 / E5M2 data and float32 block scales.
+
+A hardware FP8 GEMM (``torch._scaled_mm``, Transformer Engine) reads each operand as FP8
+values ``q`` plus float32 dequantization scales ``d``, one per block along the GEMM's
+reduction axis, and computes ``sum_k (q_a d_a)(q_b d_b)`` with an FP32 accumulator.
+:func:`to_fp8` produces exactly that pair for the amax-scaled FP8 formats — ``fp8_e4m3`` /
+``fp8_e5m2`` with ``@tensor``, ``@row``, ``@tile128`` or ``@block128`` scaling, nearest
+rounding — with the numerics of :func:`~megatron_ext.formats.quantize`:
+``d = amax / max`` (low significand bits cleared), ``q = round(x * (1/d))`` on the element
+grid, so ``q * d == fake_quant(x)`` in float32 and ``q`` is the FP8 code byte that
+``quantize`` stores, bit for bit.
+
+The data is laid out as the GEMM wants it: a 2-D ``(rows, cols)`` row-major tensor with the
+reduction axis innermost (``cols``); ``scale`` is ``(rows // block_rows, cols // block_cols)``
+(``(1, 1)`` per tensor, ``(rows, 1)`` per row). The input may be a transposed view (wgrad
+reads ``dy.T`` and ``x.T``): it is read in place and the data written transposed.
+
+Speed: two passes over the input — one read-only amax reduction (``vector_norm(ord=inf)``
+per block, no temporary) and one fused scale-round-cast pass that writes one byte per value
+(the Triton kernel of :mod:`.triton_fp8` on CUDA; three torch ops elsewhere). Unlike the
+reference, the amax is *not* finite-filtered: an operand holding NaN or inf gets a non-finite
+scale, so the GEMM's output is non-finite as the emulated GEMM's is, but not equal to it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .elements import FloatElement
+from .registry import Format
+from .scaling import AmaxScaling
+
+__all__ = ["FP8_DTYPES", "Fp8Operand", "block_shape", "is_fp8_format", "to_fp8"]
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""torch dtype of each FP8 element type (the OCP bit patterns :mod:`.codes` stores)."""
+
+
+class Fp8Operand(NamedTuple):
+    """One GEMM operand in FP8: values ``data * scale`` per block."""
+
+    data: torch.Tensor
+    """``(rows, cols)`` row-major, ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``."""
+    scale: torch.Tensor
+    """float32 ``d`` per block: ``(rows // block_rows, cols // block_cols)``."""
+    fmt: Format
+    """The format it was quantized in."""
+
+
+def is_fp8_format(fmt: Format | None) -> bool:
+    """Whether ``fmt`` is one :func:`to_fp8` makes: FP8 element, amax scaling, nearest."""
+    return (fmt is not None and fmt.element.name in FP8_DTYPES and not fmt.stochastic
+            and isinstance(fmt.scaling, AmaxScaling))
+
+
+def block_shape(fmt: Format, rows: int, cols: int) -> tuple[int, int]:
+    """``(block_rows, block_cols)`` of ``fmt``'s scale blocks on a ``rows x cols`` operand."""
+    s = fmt.scaling
+    return (rows if s.rows is None else s.rows), (cols if s.cols is None else s.cols)
+
+
+def to_fp8(t: torch.Tensor, fmt: Format, tensor_amax: torch.Tensor | None = None) -> Fp8Operand:
+    """``t`` (2-D, blocks along dim 1, row-major or a transposed view) as an :class:`Fp8Operand`.
+
+    ``tensor_amax``: the whole tensor's amax when ``t`` is a shard of a per-tensor-scaled
+    operand (see ``precision.gemm.whole_tensor_amax``). Block sizes must divide the shape.
+    """
+    if not is_fp8_format(fmt):
+        raise ValueError(f"{fmt} is not an amax-scaled FP8 format with nearest rounding")
+    rows, cols = t.shape
+    br, bc = block_shape(fmt, rows, cols)
+    if rows % br or cols % bc:
+        raise ValueError(f"{fmt}: blocks {br}x{bc} do not divide a {rows}x{cols} operand")
+    amax = _block_amax(t, br, bc) if tensor_amax is None else tensor_amax.reshape(1, 1)
+    element: FloatElement = fmt.element
+    factors = fmt.scaling.factors(amax.float(), element)
+    data = _scale_and_cast(t, factors.quant, br, bc, element)
+    return Fp8Operand(data, factors.dequant.contiguous(), fmt)
+
+
+def _block_amax(t: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """Largest magnitude per ``br x bc`` block (in ``t``'s dtype), one read-only pass."""
+    rows, cols = t.shape
+    transposed = not t.is_contiguous() and t.t().is_contiguous()
+    base = t.t() if transposed else t.contiguous()
+    if transposed:  # blocks of t are (bc x br) blocks of its contiguous transpose
+        rows, cols, br, bc = cols, rows, bc, br
+    blocks = base.view(rows // br, br, cols // bc, bc)
+    amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=(1, 3))
+    return amax.t() if transposed else amax
+
+
+def _scale_and_cast(t, quant, br, bc, element) -> torch.Tensor:
+    """``round(t * quant)`` on ``element``'s grid, saturated, as FP8 ``(rows, cols)``."""
+    dtype = FP8_DTYPES[element.name]
+    if t.is_cuda:
+        from .triton_fp8 import scale_and_cast  # triton only where it runs
+
+        return scale_and_cast(t, quant, br, bc, element, dtype)
+    rows, cols = t.shape
+    v = t.float().contiguous().view(rows // br, br, cols // bc, bc) * quant.view(rows // br, 1, -1, 1)
+    v = v.clamp_(-element.max, element.max).view(rows, cols)
+    return v.to(dtype).contiguous()

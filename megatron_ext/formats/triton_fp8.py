@@ -1,0 +1,63 @@
+"""Triton kernel: scale, round and cast one operand to FP8 in one pass (see :mod:`.fp8`).
+
+Each program loads a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed
+view reads in place), multiplies by the quantization factor of each value's scale block,
+rounds onto the element grid with the reference's nearest-even rule (``_round_grid`` of
+:mod:`.triton_kernels`, saturating), keeps the input's sign on zeros, and stores the values — exact in FP8 by then, so the
+cast cannot round again — row-major. Bit-identical to the torch path of :func:`.fp8.to_fp8`
+(tested under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_kernels import _round_grid
+
+__all__ = ["scale_and_cast"]
+
+_BLOCK = 64
+
+
+@triton.jit
+def _scale_cast_kernel(
+    x_ptr, q_ptr, out_ptr, n_rows, n_cols, sx_r, sx_c, sq_r, sq_c,
+    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK: tl.constexpr,
+    ELEM_MAX: tl.constexpr, ELEM_EMIN: tl.constexpr, ELEM_MBITS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * sx_r + c64[None, :] * sx_c, mask=mask, other=0.0)
+    q_offs = (r64[:, None] // SCALE_ROWS) * sq_r + (c64[None, :] // SCALE_COLS) * sq_c
+    quant = tl.load(q_ptr + q_offs, mask=mask, other=1.0)
+    x = x.to(tl.float32)
+    v = _round_grid(x * quant, x, ELEM_MAX, ELEM_EMIN, ELEM_MBITS, False, False)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # a value rounded to 0 keeps its sign
+    v = ((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + r64[:, None] * n_cols + c64[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def scale_and_cast(t: torch.Tensor, quant: torch.Tensor, block_rows: int, block_cols: int,
+                   element, dtype: torch.dtype) -> torch.Tensor:
+    """``round(t * quant)`` as ``dtype`` ``(rows, cols)``; ``quant`` has one value per
+    ``block_rows x block_cols`` block of ``t`` (2-D, any strides)."""
+    rows, cols = t.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    quant = quant.float().contiguous()
+    block_rows = 1 if quant.shape[0] == 1 else block_rows  # one scale row: stride 0 below
+    block_cols = 1 if quant.shape[1] == 1 else block_cols
+    sq_r = quant.stride(0) if quant.shape[0] > 1 else 0
+    sq_c = quant.stride(1) if quant.shape[1] > 1 else 0
+    grid = (triton.cdiv(rows, _BLOCK), triton.cdiv(cols, _BLOCK))
+    _scale_cast_kernel[grid](
+        t, quant, out, rows, cols, t.stride(0), t.stride(1), sq_r, sq_c,
+        SCALE_ROWS=block_rows, SCALE_COLS=block_cols, BLOCK=_BLOCK,
+        ELEM_MAX=float(element.max), ELEM_EMIN=element.emin, ELEM_MBITS=element.mbits,
+        num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out

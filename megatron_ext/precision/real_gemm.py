@@ -1,0 +1,158 @@
+"""Real FP8 GEMMs: a GEMM whose two operands are FP8 runs ``torch._scaled_mm`` on FP8 data.
+
+The emulated GEMM (:mod:`.gemm`) fake-quantizes both operands and multiplies them in their
+own dtype; the real one hands the tensor cores the FP8 values and their scales
+(:func:`megatron_ext.formats.fp8.to_fp8`) and lets the FP32 accumulator apply the scales.
+Every GEMM of a site is ``out = a @ b.T`` with ``a (M, R)`` and ``b (N, R)`` both blocked
+along the reduction axis ``R`` (fprop: ``x, w``; dgrad: ``dy, w.T``; wgrad: ``dy.T, x.T``),
+so one function runs all three. ``_scaled_mm`` takes ``b`` column-major — ``b.data.t()``
+of our row-major ``(N, R)`` data is exactly that — and one scale layout per scaling kind:
+
+=================  =========================  ==========================================
+a x b scaling      scale_a                     scale_b
+=================  =========================  ==========================================
+tensor x tensor    0-d                         0-d
+row x row          ``(M, 1)``                  ``(1, N)``
+tile128 x block128 ``(M, R/128)``, column-     ``(R/128, N/128)``, i.e. our ``(N/128, R/128)``
+                   major (outer dim first)     blocks transposed
+tile128 x tile128  ``(M, R/128)`` as above     ``(R/128, N)``: our ``(N, R/128)`` transposed
+=================  =========================  ==========================================
+
+(Hopper's blockwise layouts, as torch's ``_scaled_mm`` documents them.) What a device can
+run is found by trying: :func:`supported` runs each (dtypes, scalings, output dtype) once on a
+256x256x256 problem and compares with the float32 product of the dequantized operands, so
+a layout torch does not take, or takes differently, falls back to emulation instead of
+training on a wrong product. Shapes that the block sizes or the tensor cores' 16-element
+alignment do not divide run emulated too.
+
+Numerics: per GEMM, the real product is the exact product of the FP8 values and scales up
+to the FP32 accumulator; the emulated one first rounds each ``q * d`` to the run's dtype.
+In an FP32 run the two agree to FP32 rounding (``q * d`` needs up to 25 significand bits);
+in a BF16 run the emulated GEMM rounds ``q * d`` to BF16, and the real one is the more
+accurate of the two. ``--fp8-execution`` picks the path per run (:func:`wants_real`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from megatron_ext.formats import Format, get_format
+from megatron_ext.formats.fp8 import FP8_DTYPES, Fp8Operand, block_shape, is_fp8_format, to_fp8
+
+EXECUTION_CHOICES = ("auto", "real", "emulated")
+"""``--fp8-execution`` values (see :func:`wants_real`)."""
+
+_ALIGN = 16  # _scaled_mm: every dimension a multiple of 16
+
+
+@lru_cache(maxsize=None)
+def wants_real(mode: str, device: torch.device) -> bool:
+    """Whether ``--fp8-execution mode`` runs FP8 GEMMs for real on ``device``: ``real`` on
+    any device (CPU included, where torch runs per-tensor and per-row ``_scaled_mm``),
+    ``auto`` on a GPU with FP8 tensor cores (compute capability 8.9 or newer), ``emulated``
+    never."""
+    if mode not in EXECUTION_CHOICES:
+        raise ValueError(f"--fp8-execution must be one of {', '.join(EXECUTION_CHOICES)}")
+    if mode == "auto":
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return mode == "real"
+
+
+def _kind(fmt: Format) -> str:
+    s = fmt.scaling
+    if s.rows is None and s.cols is None:
+        return "tensor"
+    if s.rows == 1 and s.cols is None:
+        return "row"
+    return f"{'tile' if s.rows == 1 else 'block'}{s.cols}"
+
+
+_PAIRS = {("tensor", "tensor"), ("row", "row"), ("tile128", "block128"), ("tile128", "tile128")}
+"""(a, b) scaling kinds ``_scaled_mm`` has a layout for (module docstring)."""
+
+
+def runs_real(fmt_a: Format | None, fmt_b: Format | None, a: torch.Tensor,
+              b: torch.Tensor) -> bool:
+    """Whether ``a @ b.T`` in these formats can run as a real FP8 GEMM on ``a``'s device."""
+    if not (is_fp8_format(fmt_a) and is_fp8_format(fmt_b)):
+        return False
+    if (_kind(fmt_a), _kind(fmt_b)) not in _PAIRS or a.dim() != 2 or b.dim() != 2:
+        return False
+    (m, r), n = a.shape, b.shape[0]
+    if m % _ALIGN or n % _ALIGN or r % _ALIGN:
+        return False
+    for fmt, rows in ((fmt_a, m), (fmt_b, n)):
+        br, bc = block_shape(fmt, rows, r)
+        if rows % br or r % bc:
+            return False
+    return supported(str(fmt_a), str(fmt_b), a.dtype, a.device)
+
+
+def fp8_gemm(a: torch.Tensor, fmt_a: Format, b: torch.Tensor, fmt_b: Format,
+             amax_a=None, amax_b=None) -> torch.Tensor:
+    """``q(a) @ q(b).T`` on the FP8 tensor cores, in ``a``'s dtype (``a (M, R)``, ``b (N, R)``;
+    ``amax_*``: whole-tensor amaxes of TP shards, see ``gemm.whole_tensor_amax``)."""
+    return scaled_mm(to_fp8(a, fmt_a, amax_a), to_fp8(b, fmt_b, amax_b), a.dtype)
+
+
+def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a.data * a.scale) @ (b.data * b.scale).T`` by ``torch._scaled_mm`` (layouts above)."""
+    kind_a, kind_b = _kind(a.fmt), _kind(b.fmt)
+    if kind_a == "tensor":
+        scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
+    elif kind_a == "row":
+        scale_a, scale_b = a.scale.reshape(-1)[:, None], b.scale.reshape(-1)[None, :]
+    else:  # blockwise: both scales outer-dim-major
+        scale_a = a.scale.t().contiguous().t()
+        scale_b = b.scale.t() if kind_b.startswith("block") else b.scale.t().contiguous()
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
+                            out_dtype=out_dtype)
+
+
+@lru_cache(maxsize=None)
+def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this device's ``_scaled_mm`` runs ``fmt_a x fmt_b`` with ``dtype`` output and
+    gets it right (one 256x256x256 trial against the float32 product; cached)."""
+    fa, fb = get_format(fmt_a), get_format(fmt_b)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    steps = torch.arange(256)  # block amaxes 2**0..2**9 apart: a misread layout shows
+    spread = 2.0 ** (steps % 5)[:, None] * 2.0 ** (steps // 64)[None, :]
+    a = (torch.randn(256, 256, generator=gen) * spread).to(device=device, dtype=dtype)
+    b = (torch.randn(256, 256, generator=gen) * spread.t()).to(device=device, dtype=dtype)
+    qa, qb = to_fp8(a, fa), to_fp8(b, fb)
+    try:
+        out = scaled_mm(qa, qb, dtype).float()
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    ref = (_dequantized(qa) @ _dequantized(qb).t()).float()
+    return bool(torch.allclose(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()))
+
+
+def _dequantized(op: Fp8Operand) -> torch.Tensor:
+    """``data * scale`` per block in float64, exact (the reference of :func:`supported`)."""
+    rows, cols = op.data.shape
+    br, bc = rows // op.scale.shape[0], cols // op.scale.shape[1]
+    values = op.data.double().view(op.scale.shape[0], br, op.scale.shape[1], bc)
+    return (values * op.scale.double()[:, None, :, None]).view(rows, cols)
+
+
+def describe(mode: str, device: torch.device) -> str:
+    """One start-up line: where FP8 GEMMs run, and which scalings this device runs for real."""
+    if not wants_real(mode, device):
+        why = "--fp8-execution emulated" if mode == "emulated" else f"no FP8 tensor cores on {device}"
+        return f"precision: FP8 GEMMs emulated ({why}); FP4 / MX / NVFP4 are always emulated"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pairs = [(a, b) for a, b in (("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3@row", "fp8_e4m3@row"),
+                                 ("fp8_e4m3@tile128", "fp8_e4m3@block128"),
+                                 ("fp8_e4m3@tile128", "fp8_e4m3@tile128"))]
+    real = [f"{_kind(get_format(a))}x{_kind(get_format(b))}" for a, b in pairs
+            if supported(a, b, dtype, device)]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return (f"precision: FP8 GEMMs real (torch._scaled_mm) on {name} for "
+            f"{', '.join(real) or 'no scaling'}; other FP8 scalings, FP4 / MX / NVFP4 emulated")
+
+
+__all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "describe", "fp8_gemm", "runs_real",
+           "scaled_mm", "supported", "wants_real"]
