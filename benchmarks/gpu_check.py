@@ -1,0 +1,106 @@
+"""One command that checks this project on a GPU and measures what only a GPU can show.
+
+    python benchmarks/gpu_check.py --out gpu_check          # everything, ~8 min on one H100
+    python benchmarks/gpu_check.py --sections gemm train    # a subset
+
+Sections, in this order (each one's failure is recorded and the next one runs):
+
+* ``env``      python, torch, CUDA, triton, megatron-core, the card, Transformer Engine;
+* ``main``     the main job (``pretrain_llama.py``, tiny Llama) for ``--main-steps`` steps;
+* ``formats``  every Triton format, and the FP8 scale-and-cast kernel, bit-identical with the
+               CPU reference, and its GB/s against ``clone()`` (4096 x 4096, BF16 and FP32);
+* ``gemm``     real FP8 GEMMs (``torch._scaled_mm``: per tensor, per row, 1x128 x 128x128
+               blocks) and the emulated one against a BF16 matmul at TinyLlama-1.1B's GEMM
+               shapes, with and without quantizing the operands;
+* ``train``    tokens/s and peak memory at the TinyLlama-1.1B shape (22 layers, seq 2048,
+               micro-batch 2, mock data) for BF16, uniform:fp8 real and emulated, and the
+               methods (snip, gnmr, stquant, gaussws, pgq);
+* ``pytest``   ``pytest tests/unit`` with CUDA visible (xdist, ``--pytest-timeout`` seconds).
+
+It prints each result as it comes and writes ``<out>/gpu_check.json`` and
+``<out>/gpu_check.md`` (the table BENCHMARKS.md takes). Nothing is downloaded. On a machine
+without network where megatron-core / highspy are missing, bring their wheels
+(``docs/gpu.md``). Without a GPU it says so in one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SECTIONS = ("env", "main", "formats", "gemm", "train", "pytest")
+GEMM_SHAPES = [(8192, 2048, 5632), (8192, 5632, 2048), (8192, 2048, 2048), (16384, 8192, 8192)]
+"""(M, K, N) of ``(M, K) @ (K, N)``: TinyLlama-1.1B's fc1 / fc2 / proj at 8192 tokens, and a
+large square one."""
+TRAIN_CONFIGS = {
+    "bf16": [],
+    "uniform:fp8 real": ["--precision", "uniform:fp8", "--fp8-execution", "real"],
+    "uniform:fp8 emulated": ["--precision", "uniform:fp8", "--fp8-execution", "emulated"],
+    "uniform:fp8_e4m3 real": ["--precision", "uniform:fp8_e4m3", "--fp8-execution", "real"],
+    "snip": ["--precision", "snip", "--snip-budget", "0.5", "--snip-start", "3",
+             "--snip-interval", "3", "--snip-apply-lag", "1"],
+    "gnmr": ["--precision", "uniform:fp8", "--gnmr"],
+    "stquant": ["--optimizer", "stquant-adamw"],
+    "gaussws": ["--gaussws", "od"],
+    "pgq": ["--precision", "pgq"],
+}
+"""``--precision`` etc. per training row; every row adds :data:`TRAIN_SHAPE`."""
+TRAIN_SHAPE = ["--model", "tinyllama-1.1b", "--mock-data", "--micro-batch-size", "2",
+               "--global-batch-size", "2", "--seq-length", "2048", "--eval-iters", "0",
+               "--no-save", "--log-interval", "1"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="gpu_check", help="output folder (default ./gpu_check)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="which sections to run (default: all)")
+    p.add_argument("--train-steps", type=int, default=10,
+                   help="steps per training row; the median of those after step 3 is kept")
+    p.add_argument("--train-configs", nargs="+", choices=list(TRAIN_CONFIGS),
+                   default=list(TRAIN_CONFIGS), help="training rows to run (default: all)")
+    p.add_argument("--main-steps", type=int, default=50, help="steps of the main job")
+    p.add_argument("--pytest-timeout", type=int, default=200,
+                   help="seconds for pytest tests/unit (killed after)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: benchmarks/gpu_check.py needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from benchmarks import gpu_sections
+
+    results = {}
+    for name in args.sections:
+        start = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            results[name] = getattr(gpu_sections, name)(args, out)
+        except Exception as exc:  # one section's failure is a result, not the end of the check
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results[name + "_seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(results[name], indent=1)[:4000], flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    (out / "gpu_check.md").write_text(gpu_sections.markdown(results))
+    print((out / "gpu_check.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The sections of ``benchmarks/gpu_check.py``: each ``name(args, out) -> dict`` (see there)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _time(fn, repeat: int = 10) -> float:
+    """Median seconds of ``fn()`` on the GPU (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def env(args, out) -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": _version("triton"),
+            "megatron-core": _version("megatron-core"), "highspy": _version("highspy"),
+            "transformer-engine": _version("transformer-engine"), "gpu": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1)}
+
+
+def _pretrain(extra: list, run_dir: Path, timeout: int = 300) -> dict:
+    """Run ``pretrain_llama.py`` with ``extra``; its metrics and the tail of its output."""
+    cmd = [sys.executable, str(REPO / "pretrain_llama.py"), "--run-dir", str(run_dir), *extra]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.open()] if metrics.exists() else []
+    result = {"returncode": proc.returncode, "records": records}
+    if proc.returncode != 0:
+        result["error"] = (proc.stdout[-1500:] + proc.stderr[-2500:]).strip()
+    else:
+        result["log"] = [line for line in proc.stdout.splitlines()
+                         if line.startswith(("precision:", "attention", "llama"))][:6]
+    return result
+
+
+def main(args, out) -> dict:
+    run = _pretrain(["--train-iters", str(args.main_steps), "--no-save"], out / "main")
+    records = run.pop("records", [])
+    losses = [r for r in records if "loss" in r]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    run.update(first_loss=losses[0]["loss"] if losses else None,
+               last_loss=losses[-1]["loss"] if losses else None, val_losses=val[-3:])
+    return run
+
+
+def formats(args, out) -> dict:
+    """Every Triton-routed format: GPU result == CPU reference, and GB/s against clone()."""
+    from megatron_ext.formats import available, fake_quant, get_format
+    from megatron_ext.formats import triton_kernels as tk
+    from megatron_ext.formats.fp8 import is_fp8_format, to_fp8
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(4096, 4096, device="cuda", dtype=dtype) * 3
+        x_cpu = x.cpu()
+        clone_s = _time(lambda: x.clone())
+        nbytes = 2 * x.numel() * x.element_size()
+        for name in available():
+            fmt = get_format(name)
+            if fmt.stochastic or not tk.supports(fmt, x):
+                continue
+            same = torch.equal(fake_quant(x, fmt).cpu(), fake_quant(x_cpu, fmt))
+            s = _time(lambda: fake_quant(x, fmt))
+            rows.append({"format": name, "dtype": str(dtype)[6:], "bit_identical": same,
+                         "GB/s": round(nbytes / s / 1e9), "x clone": round(s / clone_s, 2)})
+        for name in ("fp8_e4m3", "fp8_e4m3@row", "fp8_e4m3@tile128", "fp8_e4m3@block128"):
+            fmt = get_format(name)
+            assert is_fp8_format(fmt)
+            got, ref = to_fp8(x, fmt), to_fp8(x_cpu, fmt)
+            same = torch.equal(got.data.cpu().view(torch.uint8), ref.data.view(torch.uint8)) \
+                and torch.equal(got.scale.cpu(), ref.scale)
+            s = _time(lambda: to_fp8(x, fmt))
+            rows.append({"format": f"to_fp8 {name}", "dtype": str(dtype)[6:],
+                         "bit_identical": same, "GB/s": round(nbytes / s / 1e9),
+                         "x clone": round(s / clone_s, 2)})
+    return {"rows": rows, "all_bit_identical": all(r["bit_identical"] for r in rows)}
+
+
+def gemm(args, out) -> dict:
+    """FP8 GEMMs against BF16 at the model's shapes: the GEMM alone and with quantization."""
+    from megatron_ext.formats import fake_quant, get_format
+    from megatron_ext.formats.fp8 import to_fp8
+    from megatron_ext.precision import real_gemm
+
+    recipes = {"per-tensor": ("fp8_e4m3", "fp8_e4m3"),
+               "per-row": ("fp8_e4m3@row", "fp8_e4m3@row"),
+               "blockwise 1x128 x 128x128": ("fp8_e4m3@tile128", "fp8_e4m3@block128"),
+               "blockwise 1x128 x 1x128": ("fp8_e4m3@tile128", "fp8_e4m3@tile128")}
+    rows, support = [], {}
+    for name, (fa, fb) in recipes.items():
+        support[name] = real_gemm.supported(fa, fb, torch.bfloat16, torch.device("cuda"))
+    for m, k, n in GEMM_SHAPES:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = _time(lambda: a @ b.t())
+        row = {"shape": f"{m}x{k}x{n}", "bf16 TFLOP/s": round(2 * m * k * n / bf16 / 1e12)}
+        for name, (fa, fb) in recipes.items():
+            if not support[name]:
+                row[name] = "unsupported"
+                continue
+            fa_, fb_ = get_format(fa), get_format(fb)
+            qa, qb = to_fp8(a, fa_), to_fp8(b, fb_)
+            alone = _time(lambda: real_gemm.scaled_mm(qa, qb, torch.bfloat16))
+            whole = _time(lambda: real_gemm.fp8_gemm(a, fa_, b, fb_))
+            row[name] = f"{bf16 / alone:.2f}x ({bf16 / whole:.2f}x with quantization)"
+        fq_a, fq_b = get_format("fp8_e4m3@tile128"), get_format("fp8_e4m3@block128")
+        emulated = _time(lambda: fake_quant(a, fq_a) @ fake_quant(b, fq_b).t())
+        row["emulated 1x128 x 128x128"] = f"{bf16 / emulated:.2f}x"
+        rows.append(row)
+    return {"rows": rows, "support": support}
+
+
+def train(args, out) -> dict:
+    """Tokens/s and peak memory of each training row at the TinyLlama-1.1B shape."""
+    from benchmarks.gpu_check import TRAIN_CONFIGS, TRAIN_SHAPE
+
+    rows = []
+    for name in args.train_configs:
+        run_dir = out / ("train_" + "".join(c if c.isalnum() else "_" for c in name))
+        run = _pretrain([*TRAIN_SHAPE, "--train-iters", str(args.train_steps),
+                         *TRAIN_CONFIGS[name]], run_dir)
+        records = [r for r in run.get("records", []) if "tokens_per_s" in r]
+        timed = [r for r in records if r["step"] > 3] or records
+        row = {"config": name}
+        if timed:
+            row["tokens/s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
+            row["peak GiB"] = round(max(r.get("mem_gib", 0) for r in records), 1)
+            row["loss"] = round(records[-1]["loss"], 3)
+        if "error" in run:
+            row["error"] = run["error"][-1200:]
+        row["log"] = run.get("log")
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    base = next((r["tokens/s"] for r in rows if r["config"] == "bf16" and "tokens/s" in r), None)
+    for row in rows:
+        if base and "tokens/s" in row:
+            row["x bf16"] = round(row["tokens/s"] / base, 2)
+    return {"rows": rows}
+
+
+def pytest(args, out) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "tests/unit", "-q", "-n", "12",
+           "-p", "no:cacheprovider", "--durations=0", "--timeout", "120"]
+    env = {**os.environ, "MEGATRON_EXT_CACHE": str(out / "cache")}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,
+                              timeout=args.pytest_timeout)
+        tail = proc.stdout.strip().splitlines()[-25:]
+        return {"returncode": proc.returncode, "tail": tail}
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return {"error": f"timed out after {args.pytest_timeout} s",
+                "tail": text.strip().splitlines()[-25:]}
+
+
+def markdown(results: dict) -> str:
+    """The results as markdown tables (env, GEMMs, training, formats, pytest)."""
+    lines = ["## GPU check", ""]
+    env_ = results.get("env", {})
+    lines += [" | ".join(f"{k} {v}" for k, v in env_.items()), ""]
+    for section in ("gemm", "train", "formats"):
+        rows = results.get(section, {}).get("rows")
+        if not rows:
+            lines += [f"{section}: {results.get(section, {}).get('error', 'not run')}", ""]
+            continue
+        keys = [k for k in rows[0] if k not in ("log", "error")]
+        lines += [f"### {section}", "", "| " + " | ".join(keys) + " |",
+                  "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+        lines += [f"error in {r.get('config', r)}: {r['error'][-300:]}" for r in rows
+                  if r.get("error")] + [""]
+    for section in ("main", "pytest"):
+        lines += [f"### {section}", "", "```",
+                  json.dumps({k: v for k, v in results.get(section, {}).items()
+                              if k != "records"}, indent=1)[:3000], "```", ""]
+    return "\n".join(lines)
