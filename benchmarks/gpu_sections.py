@@ -111,6 +111,7 @@ def formats(args, out) -> dict:
 
 def gemm(args, out) -> dict:
     """FP8 GEMMs against BF16 at the model's shapes: the GEMM alone and with quantization."""
+    from benchmarks.gpu_check import GEMM_SHAPES
     from megatron_ext.formats import fake_quant, get_format
     from megatron_ext.formats.fp8 import to_fp8
     from megatron_ext.precision import real_gemm
@@ -128,7 +129,7 @@ def gemm(args, out) -> dict:
         bf16 = _time(lambda: a @ b.t())
         row = {"shape": f"{m}x{k}x{n}", "bf16 TFLOP/s": round(2 * m * k * n / bf16 / 1e12)}
         for name, (fa, fb) in recipes.items():
-            if not support[name]:
+            if support[name] is None:
                 row[name] = "unsupported"
                 continue
             fa_, fb_ = get_format(fa), get_format(fb)
@@ -140,7 +141,8 @@ def gemm(args, out) -> dict:
         emulated = _time(lambda: fake_quant(a, fq_a) @ fake_quant(b, fq_b).t())
         row["emulated 1x128 x 128x128"] = f"{bf16 / emulated:.2f}x"
         rows.append(row)
-    return {"rows": rows, "support": support}
+    trials = {" x ".join(map(str, key)): seen for key, seen in real_gemm.TRIALS.items()}
+    return {"rows": rows, "support": support, "trials": trials}
 
 
 def train(args, out) -> dict:

@@ -138,7 +138,10 @@ class AmaxScaling(Scaling):
         return f"tile{self.cols}" if self.rows == 1 else f"block{self.cols}"
 
     def factors(self, amax, element, tensor_amax=None):
-        d = clear_low_bits_(amax / element.max, element.max_significand_bits)
+        # a tensor divisor: CUDA turns division by a Python scalar into a multiplication by
+        # its reciprocal, which rounds differently from the CPU's (and the kernels') division
+        divisor = torch.full_like(amax, element.max)
+        d = clear_low_bits_(amax / divisor, element.max_significand_bits)
         d.clamp_(min=torch.finfo(d.dtype).tiny)
         return Factors(quant=d.reciprocal(), dequant=self.dequant(d), block_scale=d)
 

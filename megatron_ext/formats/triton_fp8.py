@@ -1,6 +1,12 @@
-"""Triton kernel: scale, round and cast one operand to FP8 in one pass (see :mod:`.fp8`).
+"""Triton kernels that write one operand in FP8 (see :mod:`.fp8`).
 
-Each program loads a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed
+:func:`quantize_blocks` does everything in one pass for 1x128 tiles and 128x128 blocks: a
+program loads whole scale blocks, takes their finite amax, makes the factors with the
+reference's rules (``_factors`` of :mod:`.triton_kernels`, as ``fake_quant``'s kernel does),
+rounds, and writes the FP8 values and the float32 block scales.
+
+:func:`scale_and_cast` is the second pass for per-tensor and per-row scales, whose amax a
+reduction has taken first: each program loads a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed
 view reads in place), multiplies by the quantization factor of each value's scale block,
 rounds onto the element grid with the reference's nearest-even rule (``_round_grid`` of
 :mod:`.triton_kernels`, saturating), keeps the input's sign on zeros, and stores the values — exact in FP8 by then, so the
@@ -14,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _round_grid
+from .triton_kernels import _factors, _round_grid
 
-__all__ = ["scale_and_cast"]
+__all__ = ["quantize_blocks", "scale_and_cast"]
 
 _BLOCK = 64
 
@@ -61,3 +67,56 @@ def scale_and_cast(t: torch.Tensor, quant: torch.Tensor, block_rows: int, block_
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _quantize_blocks_kernel(
+    x_ptr, out_ptr, scale_ptr, n_rows, n_cols, sx_r, sx_c, n_scale_cols,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ELEM_MAX: tl.constexpr, ELEM_EMAX: tl.constexpr, ELEM_EMIN: tl.constexpr,
+    ELEM_MBITS: tl.constexpr, DROP_BITS: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M rows x one BLOCK_K-wide column block; a scale block is
+    GROUP_M x BLOCK_K (GROUP_M 1 for tiles, BLOCK_M for square blocks)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * sx_r + c64[None, :] * sx_c, mask=mask, other=0.0)
+    shape3: tl.constexpr = (BLOCK_M // GROUP_M, GROUP_M, BLOCK_K)
+    x = tl.reshape(x.to(tl.float32), shape3)
+    finite = tl.abs(x) < float("inf")
+    amax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2, keep_dims=True), axis=1,
+                  keep_dims=True)
+    quant, dequant = _factors(amax, amax, 0, ELEM_MAX, ELEM_EMAX, DROP_BITS)
+    q = _round_grid(tl.where(finite, x, 0.0) * quant, x, ELEM_MAX, ELEM_EMIN, ELEM_MBITS,
+                    False, False)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # a value rounded to 0 keeps its sign
+    q = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
+    q = tl.reshape(tl.where(finite, q, x), (BLOCK_M, BLOCK_K))
+    tl.store(out_ptr + r64[:, None] * n_cols + c64[None, :], q.to(out_ptr.dtype.element_ty),
+             mask=mask)
+    groups = tl.program_id(0) * (BLOCK_M // GROUP_M) + tl.arange(0, BLOCK_M // GROUP_M)
+    d = tl.reshape(dequant, (BLOCK_M // GROUP_M,))
+    tl.store(scale_ptr + groups.to(tl.int64) * n_scale_cols + tl.program_id(1), d,
+             mask=groups < n_rows // GROUP_M)
+
+
+def quantize_blocks(t: torch.Tensor, fmt, dtype: torch.dtype):
+    """``(data, scale)`` of ``t`` (2-D, any strides) in ``fmt``'s 1xN tiles or NxN blocks
+    (N a power of two <= 128 that divides the shape), one pass."""
+    rows, cols = t.shape
+    s, e = fmt.scaling, fmt.element
+    group_m = s.rows
+    block_m = group_m if group_m > 1 else 32
+    out = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    scale = torch.empty(rows // group_m, cols // s.cols, dtype=torch.float32, device=t.device)
+    grid = (triton.cdiv(rows, block_m), cols // s.cols)
+    _quantize_blocks_kernel[grid](
+        t, out, scale, rows, cols, t.stride(0), t.stride(1), scale.shape[1],
+        BLOCK_M=block_m, GROUP_M=group_m, BLOCK_K=s.cols, ELEM_MAX=float(e.max),
+        ELEM_EMAX=e.emax, ELEM_EMIN=e.emin, ELEM_MBITS=e.mbits,
+        DROP_BITS=e.max_significand_bits, num_warps=8 if block_m * s.cols >= 8192 else 4,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return out, scale

@@ -20,9 +20,10 @@ tile128 x tile128  ``(M, R/128)`` as above     ``(R/128, N)``: our ``(N, R/128)`
 
 (Hopper's blockwise layouts, as torch's ``_scaled_mm`` documents them.) What a device can
 run is found by trying: :func:`supported` runs each (dtypes, scalings, output dtype) once on a
-256x256x256 problem and compares with the float32 product of the dequantized operands, so
-a layout torch does not take, or takes differently, falls back to emulation instead of
-training on a wrong product. Shapes that the block sizes or the tensor cores' 16-element
+256x256x256 problem, in each candidate scale layout, and compares with the float64 product
+of the dequantized operands, so a layout torch does not take, or reads differently, is
+never used, and a pairing no layout gets right falls back to emulation instead of training
+on a wrong product. Shapes that the block sizes or the tensor cores' 16-element
 alignment do not divide run emulated too.
 
 Numerics: per GEMM, the real product is the exact product of the FP8 values and scales up
@@ -87,7 +88,7 @@ def runs_real(fmt_a: Format | None, fmt_b: Format | None, a: torch.Tensor,
         br, bc = block_shape(fmt, rows, r)
         if rows % br or r % bc:
             return False
-    return supported(str(fmt_a), str(fmt_b), a.dtype, a.device)
+    return supported(str(fmt_a), str(fmt_b), a.dtype, a.device) is not None
 
 
 def fp8_gemm(a: torch.Tensor, fmt_a: Format, b: torch.Tensor, fmt_b: Format,
@@ -97,24 +98,40 @@ def fp8_gemm(a: torch.Tensor, fmt_a: Format, b: torch.Tensor, fmt_b: Format,
     return scaled_mm(to_fp8(a, fmt_a, amax_a), to_fp8(b, fmt_b, amax_b), a.dtype)
 
 
-def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    """``(a.data * a.scale) @ (b.data * b.scale).T`` by ``torch._scaled_mm`` (layouts above)."""
-    kind_a, kind_b = _kind(a.fmt), _kind(b.fmt)
-    if kind_a == "tensor":
-        scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
-    elif kind_a == "row":
-        scale_a, scale_b = a.scale.reshape(-1)[:, None], b.scale.reshape(-1)[None, :]
-    else:  # blockwise: both scales outer-dim-major
-        scale_a = a.scale.t().contiguous().t()
-        scale_b = b.scale.t() if kind_b.startswith("block") else b.scale.t().contiguous()
+def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
+              layout: int | None = None) -> torch.Tensor:
+    """``(a.data * a.scale) @ (b.data * b.scale).T`` by ``torch._scaled_mm`` (layouts above;
+    ``layout``: which of :func:`_scales`' candidates, by default the one :func:`supported`
+    found right on this device)."""
+    if layout is None:
+        layout = supported(str(a.fmt), str(b.fmt), out_dtype, a.data.device)
+    scale_a, scale_b = _scales(a, b)[layout or 0]
     return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
                             out_dtype=out_dtype)
 
 
+def _scales(a: Fp8Operand, b: Fp8Operand) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Candidate ``(scale_a, scale_b)`` layouts for the operands' scaling kinds, the
+    documented one first (blockwise: the same shapes, stored outer- or inner-dim-major)."""
+    kind_a = _kind(a.fmt)
+    if kind_a == "tensor":
+        return [(a.scale.reshape(()), b.scale.reshape(()))]
+    if kind_a == "row":
+        return [(a.scale.reshape(-1)[:, None], b.scale.reshape(-1)[None, :])]
+    a_outer, b_t = a.scale.t().contiguous().t(), b.scale.t()
+    return [(a_outer, b_t), (a_outer, b_t.contiguous()), (a.scale, b_t.contiguous()),
+            (a.scale, b_t), (a_outer, b.scale), (a.scale, b.scale)]
+
+
+TRIALS: dict[tuple, list[str]] = {}
+"""What each :func:`supported` trial saw, per candidate layout (for ``gpu_check``)."""
+
+
 @lru_cache(maxsize=None)
-def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this device's ``_scaled_mm`` runs ``fmt_a x fmt_b`` with ``dtype`` output and
-    gets it right (one 256x256x256 trial against the float32 product; cached)."""
+def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The layout (index into :func:`_scales`) with which this device's ``_scaled_mm`` runs
+    ``fmt_a x fmt_b`` with ``dtype`` output and gets it right, or None (one 256x256x256 trial
+    per candidate against the float64 product; cached)."""
     fa, fb = get_format(fmt_a), get_format(fmt_b)
     gen = torch.Generator(device="cpu").manual_seed(0)
     steps = torch.arange(256)  # block amaxes 2**0..2**9 apart: a misread layout shows
@@ -122,12 +139,19 @@ def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) 
     a = (torch.randn(256, 256, generator=gen) * spread).to(device=device, dtype=dtype)
     b = (torch.randn(256, 256, generator=gen) * spread.t()).to(device=device, dtype=dtype)
     qa, qb = to_fp8(a, fa), to_fp8(b, fb)
-    try:
-        out = scaled_mm(qa, qb, dtype).float()
-    except (RuntimeError, NotImplementedError, ValueError):
-        return False
     ref = (_dequantized(qa) @ _dequantized(qb).t()).float()
-    return bool(torch.allclose(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()))
+    seen = TRIALS.setdefault((fmt_a, fmt_b, dtype, str(device)), [])
+    for layout in range(len(_scales(qa, qb))):
+        try:
+            out = scaled_mm(qa, qb, dtype, layout).float()
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            seen.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        error = ((out - ref).abs().max() / ref.abs().max()).item()
+        seen.append(f"max error {error:.2e} of the largest output")
+        if error < 2e-2:
+            return layout
+    return None
 
 
 def _dequantized(op: Fp8Operand) -> torch.Tensor:
@@ -148,7 +172,7 @@ def describe(mode: str, device: torch.device) -> str:
                                  ("fp8_e4m3@tile128", "fp8_e4m3@block128"),
                                  ("fp8_e4m3@tile128", "fp8_e4m3@tile128"))]
     real = [f"{_kind(get_format(a))}x{_kind(get_format(b))}" for a, b in pairs
-            if supported(a, b, dtype, device)]
+            if supported(a, b, dtype, device) is not None]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return (f"precision: FP8 GEMMs real (torch._scaled_mm) on {name} for "
             f"{', '.join(real) or 'no scaling'}; other FP8 scalings, FP4 / MX / NVFP4 emulated")

@@ -119,3 +119,18 @@ def test_fp8_scale_and_cast_kernel_equals_the_torch_path(name, transposed):
     quant = ref.scale.reciprocal()
     got = triton_fp8.scale_and_cast(operand, quant, br, bc, fmt.element, ref.data.dtype)
     assert torch.equal(got.view(torch.uint8), ref.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name,transposed", [("fp8_e4m3@tile128", False), ("fp8_e5m2@tile128", True),
+                                             ("fp8_e4m3@block128", False), ("fp8_e4m3@block128", True)])
+def test_fp8_one_pass_block_kernel_equals_the_torch_path(name, transposed):
+    from megatron_ext.formats import fp8, triton_fp8
+
+    fmt = get_format(name)
+    x = special_input((256, 256), torch.float32)
+    x[1, 1], x[2, 2] = 1.0, -2.0  # finite (the reduction path's amax is not finite-filtered)
+    operand = x.t().contiguous().t() if transposed else x
+    ref = fp8.to_fp8(operand, fmt)  # CPU tensors: the torch path
+    data, scale = triton_fp8.quantize_blocks(operand, fmt, ref.data.dtype)
+    assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(scale, ref.scale)

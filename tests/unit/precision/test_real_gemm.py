@@ -106,7 +106,7 @@ def test_blockwise_scale_layouts_are_hoppers(monkeypatch, fmt_b):
     b = torch.randn(128, 384, generator=g) * 2.0 ** torch.randint(-6, 6, (1, 384), generator=g)
     qa, qb = to_fp8(a, get_format("fp8_e4m3@tile128")), to_fp8(b, get_format(fmt_b))
     monkeypatch.setattr(torch, "_scaled_mm", _hopper_blockwise_reference)
-    got = real_gemm.scaled_mm(qa, qb, torch.float64)
+    got = real_gemm.scaled_mm(qa, qb, torch.float64, layout=0)  # the documented layout
     ref = real_gemm._dequantized(qa) @ real_gemm._dequantized(qb).t()
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12 * ref.abs().max().item())
 
