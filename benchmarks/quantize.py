@@ -4,16 +4,21 @@ Quantizes a SIZE x SIZE float32 tensor with each format and prints input GB/s be
 ``clone()`` (the memory-bandwidth floor: one read, one write) and beside torchao's MX /
 NVFP4 emulation when torchao is installed, checking that the results are bit-identical.
 With ``--stored``, also times real quantization (``quantize`` to packed codes and scales,
-``dequantize`` back) and checks that the round trip is ``fake_quant`` bit for bit.
+``dequantize`` back) and checks that the round trip is ``fake_quant`` bit for bit. With
+``--device cuda``, prints :func:`run`'s rows instead: ``fake_quant`` as dispatched on that
+device (the Triton kernels on a GPU) against ``clone()``, each checked bit for bit against the
+torch reference on CPU.
 
     python benchmarks/quantize.py                 # 4096x4096, 2 threads, default formats
     python benchmarks/quantize.py --formats mxfp4 nvfp4 --repeat 10
     python benchmarks/quantize.py --stored --no-torchao
+    python benchmarks/quantize.py --device cuda   # the GPU table (about 30 s on an H100)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -23,10 +28,10 @@ from pathlib import Path
 import torch
 
 try:
-    from megatron_ext.formats import dequantize, fake_quant, quantize
+    from megatron_ext.formats import dequantize, fake_quant, fake_quant_2d, get_format, quantize
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_ext.formats import dequantize, fake_quant, quantize
+    from megatron_ext.formats import dequantize, fake_quant, fake_quant_2d, get_format, quantize
 
 DEFAULT_FORMATS = [
     "mxfp4", "mxfp8", "mxfp6_e2m3", "nvfp4", "mxfp4+sr",
@@ -54,6 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(with --threads 1 it is the work done; GB/s then means per CPU second)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random input (default 0)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="time fake_quant as dispatched on this device (e.g. cuda: the Triton kernels) at "
+        "the --size x --size input in float32 and bfloat16, checked against the CPU reference; "
+        "prints JSON rows (--formats defaults to DEVICE_FORMATS)",
+    )
     return p.parse_args(argv)
 
 
@@ -106,9 +118,77 @@ def torchao_references() -> dict:
     }
 
 
+DEVICE_FORMATS = [
+    "fp4_e2m1", "fp8_e4m3", "int8@row", "nvfp4", "fp8_e4m3@block128",
+    "mxfp4", "fp8_e4m3@tile128", "fp4_e2m1@tile128+sr",
+]  # fmt: skip
+"""The formats :func:`run` times: the per-tensor, per-row, NVFP4 and 128x128 kernels of issue
+22 item 5, and two of the fused 1-row-block kernel beside them."""
+
+
+def device_seconds(fn, device: torch.device, iters: int) -> float:
+    """Mean seconds per call of ``fn`` over ``iters`` calls after two warm-up calls (CUDA
+    events on a GPU, so queued launches overlap as in training), best of three."""
+    fn(), fn()
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3 / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def run(
+    device, size: tuple[int, int] = (8192, 8192), formats=None, dtypes=None, iters: int = 20,
+    budget_s: float = 50.0,
+) -> list[dict]:
+    """One row per (format, dtype): ``fake_quant`` on ``device`` against ``clone()`` of the
+    same tensor, and whether it equals the torch reference run on CPU bit for bit (``None``
+    for ``+sr``, whose GPU stream differs by design). Rows stop being added after
+    ``budget_s`` seconds (the ones left get ``"skipped": True``)."""
+    device = torch.device(device)
+    formats = DEVICE_FORMATS if formats is None else formats
+    dtypes = (torch.float32, torch.bfloat16) if dtypes is None else dtypes
+    t_start, rows = time.perf_counter(), []
+    for dtype in dtypes:
+        x_cpu = torch.randn(size, generator=torch.Generator().manual_seed(0)).to(dtype)
+        x = x_cpu.to(device)
+        gbytes = x.numel() * x.element_size() / 1e9
+        clone_s = device_seconds(lambda x=x: x.clone(), device, iters)
+        for name in formats:
+            row = {"format": name, "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
+            rows.append(row)
+            if time.perf_counter() - t_start > budget_s:
+                row["skipped"] = True
+                continue
+            seconds = device_seconds(lambda x=x, name=name: fake_quant(x, name), device, iters)
+            same = None
+            if not get_format(name).stochastic:
+                same = torch.equal(fake_quant(x, name).cpu().view(torch.uint8),
+                                   fake_quant_2d(x_cpu, get_format(name)).view(torch.uint8))
+            row.update(ms=seconds * 1e3, gb_per_s=gbytes / seconds, x_clone=seconds / clone_s,
+                       clone_ms=clone_s * 1e3, bit_identical=same)  # fmt: skip
+    return rows
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.device is not None:
+        formats = DEVICE_FORMATS if args.formats == DEFAULT_FORMATS else args.formats
+        for row in run(args.device, (args.size, args.size), formats, iters=args.repeat * 4):
+            print(json.dumps(row))
+        return
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.size, args.size, generator=gen)
     gbytes = x.numel() * x.element_size() / 1e9

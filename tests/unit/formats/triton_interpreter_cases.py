@@ -21,7 +21,9 @@ NEAREST = [
     ("fp8_e4m3@tile128", (37, 300)), ("fp8_e5m2@tile128", (37, 300)), ("fp8_e4m3@block128", (130, 200)),
     ("fp4_e2m1@tile128", (37, 300)), ("fp4_e2m1@block128", (130, 200)), ("mxfp4", (37, 300)),
     ("mxfp8", (37, 300)), ("mxfp6_e3m2", (37, 100)), ("nvfp4", (37, 300)), ("int8@tile128", (37, 300)),
-    ("int4@block32", (40, 70)),
+    ("int4@block32", (40, 70)), ("fp8_e4m3", (37, 300)), ("fp8_e4m3", (16, 192)), ("fp4_e2m1", (37, 300)),
+    ("int8", (37, 300)), ("fp8_e4m3@row", (37, 300)), ("int8@row", (300, 64)), ("int4@row", (5, 2100)),
+    ("fp8_e4m3@block64", (130, 200)), ("fp4_e2m1@block256", (260, 300)),
 ]  # fmt: skip
 
 
@@ -54,14 +56,16 @@ def test_kernel_float16():
 
 @pytest.mark.parametrize(
     "name,dtype",
-    [("fp8_e4m3", torch.float32), ("fp8_e4m3@row", torch.float32), ("bf16", torch.float32),
-     ("fp8_e4m3@tile100", torch.float32), ("fp8_e4m3@block256", torch.float32), ("mxfp4", torch.float64)],
+    [("fp8_e4m3@none", torch.float32), ("bf16", torch.float32), ("fp8_e4m3@tile512", torch.float32),
+     ("fp8_e4m3@tile100", torch.float32), ("fp8_e4m3@block96", torch.float32), ("mxfp4", torch.float64)],
 )  # fmt: skip
 def test_unsupported_cases_fall_back(name, dtype):
     assert not tk.supports(get_format(name), torch.zeros(2, 2, dtype=dtype))
 
 
-@pytest.mark.parametrize("name", ["fp4_e2m1@tile128+sr", "mxfp4+sr", "nvfp4+sr", "int4@tile128+sr"])
+@pytest.mark.parametrize(
+    "name", ["fp4_e2m1@tile128+sr", "mxfp4+sr", "nvfp4+sr", "int4@tile128+sr", "fp4_e2m1+sr", "int4@row+sr"]
+)
 def test_stochastic_kernel_has_the_reference_distribution(name):
     """Same neighbours, unbiased, and per element the same rounding-up frequency as the
     torch reference (two independent samples of n draws: |p1 - p2| <= 5 sqrt(2 p (1-p) / n))."""
@@ -134,3 +138,23 @@ def test_fp8_one_pass_block_kernel_equals_the_torch_path(name, transposed):
     data, scale = triton_fp8.quantize_blocks(operand, fmt, ref.data.dtype)
     assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(scale, ref.scale)
+
+
+def test_per_tensor_kernel_takes_a_given_tensor_amax():
+    """A TP shard of a per-tensor format scaled as the whole tensor, as in torch."""
+    fmt, x = get_format("fp8_e4m3"), special_input((37, 300), torch.float32)
+    amax = torch.tensor(1e4)
+    ref = fake_quant_2d(x, fmt, tensor_amax=amax)
+    assert_bits_equal(tk.fake_quant_2d(x, fmt, tensor_amax=amax), ref)
+    assert not torch.equal(ref.nan_to_num(), fake_quant_2d(x, fmt).nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_amax_kernel_matches_torch(dtype):
+    """Per tensor, per row and per 32x32 block, NaN and inf left out (float64 reference)."""
+    x = special_input((70, 100), dtype)
+    a = x.double().abs().nan_to_num(0.0, 0.0, 0.0)
+    assert tk.tensor_amax(x).item() == a.max().item()
+    assert torch.equal(tk.block_amax(x, 1, 100).double(), a.amax(1, keepdim=True))
+    padded = torch.nn.functional.pad(a, (0, 28, 0, 26)).view(3, 32, 4, 32)
+    assert torch.equal(tk.block_amax(x, 32, 32).double(), padded.amax((1, 3)))
