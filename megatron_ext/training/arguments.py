@@ -15,6 +15,7 @@ import torch
 
 from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.errors import UsageError
+from megatron_ext.training.attention_backend import CHOICES as ATTENTION_BACKENDS
 from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -61,6 +62,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"],
                    default="auto", help="layer implementation; auto = Transformer Engine when "
                    "it is installed and a GPU is present, else megatron-core's local layers")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="core attention: sdpa = torch's scaled_dot_product_attention (fused "
+                   "flash / memory-efficient kernels, no s x s probabilities kept; local "
+                   "layers), local = megatron-core's unfused DotProductAttention, flash / "
+                   "fused / unfused = Transformer Engine's (TE layers); auto = sdpa in local "
+                   "layers, TE's own choice in TE layers (docs/attention.md)")
     g.add_argument("--hidden-dropout", type=float, default=0.0,
                    help="dropout after attention and MLP, in [0, 1)")
     g.add_argument("--attention-dropout", type=float, default=0.0,
