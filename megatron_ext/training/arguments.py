@@ -15,6 +15,8 @@ import torch
 
 from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.errors import UsageError
+from megatron_ext.training.attention_backend import (CHOICES as ATTENTION_BACKENDS,
+                                                     resolve_attention_backend)
 from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -60,7 +62,15 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "layout never changes the model); TP must divide the padded size")
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"],
                    default="auto", help="layer implementation; auto = Transformer Engine when "
-                   "it is installed and a GPU is present, else megatron-core's local layers")
+                   "it is installed, a GPU is present and neither per-layer precision nor "
+                   "--attention-backend sdpa/local asks for megatron-core's local layers, "
+                   "else the local layers")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="core attention: sdpa = torch's scaled_dot_product_attention (fused "
+                   "flash / memory-efficient kernels, no s x s probabilities kept; local "
+                   "layers), local = megatron-core's unfused DotProductAttention, flash / "
+                   "fused / unfused = Transformer Engine's (TE layers); auto = sdpa in local "
+                   "layers, TE's own choice in TE layers (docs/attention.md)")
     g.add_argument("--hidden-dropout", type=float, default=0.0,
                    help="dropout after attention and MLP, in [0, 1)")
     g.add_argument("--attention-dropout", type=float, default=0.0,
@@ -309,6 +319,8 @@ def validate_args(args: argparse.Namespace) -> None:
                f"the {per_stage} layers of each stage")
         args.virtual_pipeline_model_parallel_size = per_stage // vp_layers
     _validate_rope_and_activation(args)
+    if args.transformer_impl != "auto":  # else resolved with the layers (training/model.py)
+        resolve_attention_backend(args.attention_backend, args.transformer_impl)
     _check(not args.sequence_parallel or tp > 1, "--sequence-parallel needs TP > 1")
     _check(not args.sequence_parallel or args.seq_length % tp == 0,
            f"--sequence-parallel needs TP={tp} to divide --seq-length {args.seq_length}")

@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -37,6 +37,8 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_ext.errors import UsageError
+from megatron_ext.training.attention_backend import LOCAL_BACKENDS, resolve_attention_backend
+from megatron_ext.training.sdpa import SDPAttention
 
 LinearClasses = Callable[[int, str], type]
 """(global layer index, site) -> the linear module class for that site."""
@@ -136,14 +138,16 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
-def layer_spec(layer: int, linear_classes: LinearClasses) -> ModuleSpec:
-    """One transformer layer (pre-norm attention + MLP) with the linears of global ``layer``."""
+def layer_spec(layer: int, linear_classes: LinearClasses,
+               core_attention: type = SDPAttention) -> ModuleSpec:
+    """One transformer layer (pre-norm attention + MLP) with the linears of global ``layer``
+    and ``core_attention``."""
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=linear_classes(layer, "qkv"),
-            core_attention=DotProductAttention,
+            core_attention=core_attention,
             linear_proj=linear_classes(layer, "proj"),
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
@@ -174,11 +178,13 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_transformer_impl(requested: str, custom_linears: bool) -> str:
-    """``auto`` -> Transformer Engine when it can run and no extension swaps the linears."""
+def resolve_transformer_impl(requested: str, custom_linears: bool,
+                             attention_backend: str = "auto") -> str:
+    """``auto`` -> Transformer Engine when it can run, no extension swaps the linears and no
+    local attention backend (``sdpa`` / ``local``) is asked for."""
     if requested == "auto":
-        return "transformer_engine" if transformer_engine_available() and not custom_linears \
-            else "local"
+        local = custom_linears or attention_backend in LOCAL_BACKENDS
+        return "transformer_engine" if transformer_engine_available() and not local else "local"
     if requested == "transformer_engine":
         if not transformer_engine_available():
             raise UsageError("--transformer-impl transformer_engine needs transformer_engine "
@@ -190,7 +196,9 @@ def resolve_transformer_impl(requested: str, custom_linears: bool) -> str:
 
 
 def block_spec(config: TransformerConfig, vp_stage: int | None, linear_classes: LinearClasses,
-               impl: str = "local") -> TransformerBlockSubmodules:
+               impl: str = "local", attention_backend: str = "sdpa") -> TransformerBlockSubmodules:
+    """The layers of ``vp_stage``; ``attention_backend`` a resolved local backend (local
+    layers) or TE's (already in ``config.attention_backend``)."""
     count = get_num_layers_to_build(config, vp_stage)
     if impl == "transformer_engine":  # megatron-core's own TE spec (fused norm + linear)
         from megatron.core.extensions.transformer_engine import TENorm
@@ -200,8 +208,9 @@ def block_spec(config: TransformerConfig, vp_stage: int | None, linear_classes: 
         return TransformerBlockSubmodules(
             layer_specs=[get_gpt_layer_with_transformer_engine_spec()] * count, layer_norm=TENorm)
     offset = get_transformer_layer_offset(config, vp_stage)
+    core = SDPAttention if attention_backend == "sdpa" else DotProductAttention
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(offset + i, linear_classes) for i in range(count)],
+        layer_specs=[layer_spec(offset + i, linear_classes, core) for i in range(count)],
         layer_norm=TorchNorm,
     )
 
@@ -210,13 +219,16 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
                        linear_classes: LinearClasses = default_linear_classes) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), not yet wrapped in DDP."""
     vp_size = args.virtual_pipeline_model_parallel_size
+    backend = resolve_attention_backend(args.attention_backend, args.transformer_impl)
+    if args.transformer_impl == "transformer_engine":  # GPTModel sets TE's NVTE_*_ATTN from it
+        config.attention_backend = AttnBackend[backend]
     chunks = []
     for vp_stage in range(vp_size or 1):
         stage = vp_stage if vp_size else None
         chunks.append(GPTModel(
             config=config,
             transformer_layer_spec=block_spec(config, stage, linear_classes,
-                                              args.transformer_impl),
+                                              args.transformer_impl, backend),
             vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,

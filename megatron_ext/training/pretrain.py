@@ -69,7 +69,8 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     config = model.transformer_config(args)
     linears = ext.the_one(extensions, "linear_classes", args)
     args.transformer_impl = model.resolve_transformer_impl(args.transformer_impl,
-                                                           linears is not None)
+                                                           linears is not None,
+                                                           args.attention_backend)
     linears = linears or model.default_linear_classes
     chunks = model.build_model_chunks(args, config, args.padded_vocab_size, linears)
     init.initialize_layout_invariant(chunks, config, args.seed)

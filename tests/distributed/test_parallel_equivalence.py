@@ -11,6 +11,9 @@ STEPS = ["--train-iters", "5", "--no-save"]
 
 LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    # the reference runs the default sdpa core attention: megatron-core's local one at TP=2
+    "tp2-local-attention": (2, ["--tensor-model-parallel-size", "2", "--attention-backend",
+                                "local"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),

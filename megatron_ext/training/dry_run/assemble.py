@@ -31,11 +31,13 @@ def unpadded_vocab(args) -> int:
 
 
 def _check_impl(args) -> None:
-    """What ``model.resolve_transformer_impl`` would refuse on the GPU job."""
+    """What ``model.resolve_transformer_impl`` / ``resolve_attention_backend`` would refuse on
+    the GPU job."""
     per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
     if args.transformer_impl == "transformer_engine" and per_layer:
         raise UsageError("--transformer-impl transformer_engine uses TE's fused layers; "
                          "per-layer precision needs --transformer-impl local")
+    est.assumed_attention(args)  # refuses a backend those layers cannot run
 
 
 def _stage(args, p: StageParams, layout, vocab: int, parts, seconds: float | None) \
@@ -99,10 +101,12 @@ def _notes(args, req, layout, vocab: int, parts) -> list[str]:
     impl = est.assumed_impl(args)
     if args.transformer_impl == "auto":
         impl += (" (auto, as on a GPU node with Transformer Engine)" if impl != "local" else
-                 " (auto: per-layer precision needs megatron-core's local layers)")
-    attention = (f"layers {impl}: its fused attention keeps no s x s scores"
-                 if layout.flash_attention else f"layers {impl}: the s x s scores of "
-                 "megatron-core's local attention (5·a·s/h) included")
+                 " (auto: per-layer precision or the attention backend needs megatron-core's "
+                 "local layers)")
+    impl += f", attention {est.assumed_attention(args)}"
+    attention = (f"layers {impl}: fused attention keeps no s x s scores"
+                 if layout.flash_attention else f"layers {impl}: the s x s scores of the "
+                 "unfused attention (5·a·s/h) included")
     given = moments(parts)
     state = (f"{given.moments_how}{' + FP32 main params 4 B/param' if layout.bf16 else ''}"
              if given else f"Adam m, v{' + FP32 main params' if layout.bf16 else ''} "

@@ -41,8 +41,9 @@ micro-batch, ``h`` hidden size, ``a`` attention heads, ``t`` TP size, in bytes::
     TP + SP         s·b·h · (34 + 5·a·s/h) / t
 
 ``5·a·s/h`` is the attention core's ``s × s`` scores (softmax output, dropout mask, ...).
-megatron-core's local ``DotProductAttention`` stores them; Transformer Engine's fused (flash)
-attention does not, so the term is dropped when the job runs TE layers (:func:`assumed_impl`).
+megatron-core's local ``DotProductAttention`` (``--attention-backend local``) and TE's unfused
+attention store them; SDPA (``sdpa``, the default in local layers) and TE's flash / fused
+attention do not, so the term is dropped for them (:func:`assumed_attention`).
 The 34 is derived for a GPT-3 layer (4h GeLU MLP, multi-head attention, dropout masks); for
 Llama (SwiGLU, GQA, no dropout) it is an approximation. The last stage also keeps the FP32
 logits for the loss, ``4·s·b·v/t`` bytes (Korthikanti §4.3; ``v`` the padded vocabulary).
@@ -69,6 +70,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ext.training.attention_backend import LOCAL_BACKENDS, resolve_attention_backend
+
 GIB = 2.0**30
 """Bytes in a GiB."""
 
@@ -76,11 +79,19 @@ GIB = 2.0**30
 def assumed_impl(args) -> str:
     """The layer implementation the GPU job will get. ``auto`` is resolved as on a GPU node
     with Transformer Engine installed (the NGC image of ``Dockerfile``): TE, unless per-layer
-    precision (``--precision`` / ``--precision-plan``) needs megatron-core's local layers."""
+    precision (``--precision`` / ``--precision-plan``) or a local ``--attention-backend``
+    (sdpa / local) needs megatron-core's local layers."""
     if args.transformer_impl != "auto":
         return args.transformer_impl
     per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
-    return "local" if per_layer else "transformer_engine"
+    local = per_layer or args.attention_backend in LOCAL_BACKENDS
+    return "local" if local else "transformer_engine"
+
+
+def assumed_attention(args) -> str:
+    """The core attention of :func:`assumed_impl`'s layers (``--attention-backend``
+    resolved; refused in one line where those layers cannot run it)."""
+    return resolve_attention_backend(args.attention_backend, assumed_impl(args))
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,7 @@ class Layout:
     fsdp: bool
     """``--use-torch-fsdp2`` / ``--use-megatron-fsdp``: weights, grads, state sharded over DP."""
     flash_attention: bool
-    """No ``s × s`` scores stored (Transformer Engine's fused attention)."""
+    """No ``s × s`` scores stored (SDPA, or Transformer Engine's flash / fused attention)."""
 
     @classmethod
     def from_args(cls, args) -> "Layout":
@@ -120,7 +131,7 @@ class Layout:
                    bool(args.sequence_parallel), bool(args.bf16),
                    bool(args.use_distributed_optimizer),
                    bool(args.use_torch_fsdp2 or args.use_megatron_fsdp),
-                   assumed_impl(args) == "transformer_engine")
+                   assumed_attention(args) not in ("local", "unfused"))
 
 
 @dataclass(frozen=True)

@@ -158,8 +158,13 @@ def test_in_flight_follows_megatron_warmup():
 
 
 def test_auto_impl_is_resolved_as_on_a_gpu_node_with_te():
-    args = argparse.Namespace(transformer_impl="auto", precision=None, precision_plan=None)
+    args = argparse.Namespace(transformer_impl="auto", precision=None, precision_plan=None,
+                              attention_backend="auto")
     assert est.assumed_impl(args) == "transformer_engine"
+    assert est.assumed_attention(args) == "auto"  # TE's choice: flash / fused, no s x s
+    args.attention_backend = "sdpa"  # runs in megatron-core's local layers
+    assert (est.assumed_impl(args), est.assumed_attention(args)) == ("local", "sdpa")
+    args.attention_backend = "auto"
     args.precision = "uniform:fp8"  # quantized linears need megatron-core's local layers
     assert est.assumed_impl(args) == "local"
     args.transformer_impl = "local"
