@@ -45,7 +45,9 @@ TRAIN_CONFIGS = {
     "bf16": [],
     "uniform:fp8 real": ["--precision", "uniform:fp8", "--fp8-execution", "real"],
     "uniform:fp8 emulated": ["--precision", "uniform:fp8", "--fp8-execution", "emulated"],
-    "uniform:fp8_e4m3 real": ["--precision", "uniform:fp8_e4m3", "--fp8-execution", "real"],
+    "fp8 per-tensor real": ["--precision-plan", "{fp8_tensor_plan}", "--fp8-execution", "real"],
+    "fp8 per-tensor emulated": ["--precision-plan", "{fp8_tensor_plan}",
+                                "--fp8-execution", "emulated"],
     "snip": ["--precision", "snip", "--snip-budget", "0.5", "--snip-start", "3",
              "--snip-interval", "3", "--snip-apply-lag", "1"],
     "gnmr": ["--precision", "uniform:fp8", "--gnmr"],
@@ -53,7 +55,8 @@ TRAIN_CONFIGS = {
     "gaussws": ["--gaussws", "od"],
     "pgq": ["--precision", "pgq"],
 }
-"""``--precision`` etc. per training row; every row adds :data:`TRAIN_SHAPE`."""
+"""``--precision`` etc. per training row; every row adds :data:`TRAIN_SHAPE`;
+``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3."""
 TRAIN_SHAPE = ["--model", "tinyllama-1.1b", "--mock-data", "--micro-batch-size", "2",
                "--global-batch-size", "2", "--seq-length", "2048", "--eval-iters", "0",
                "--no-save", "--log-interval", "1"]
@@ -71,7 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=list(TRAIN_CONFIGS), help="training rows to run (default: all)")
     p.add_argument("--main-steps", type=int, default=50, help="steps of the main job")
     p.add_argument("--pytest-timeout", type=int, default=200,
-                   help="seconds for pytest tests/unit (killed after)")
+                   help="seconds for pytest (killed after)")
+    p.add_argument("--pytest-paths", nargs="+", default=["tests/unit"],
+                   help="what the pytest section runs (default tests/unit)")
     return p.parse_args(argv)
 
 

@@ -148,12 +148,19 @@ def gemm(args, out) -> dict:
 def train(args, out) -> dict:
     """Tokens/s and peak memory of each training row at the TinyLlama-1.1B shape."""
     from benchmarks.gpu_check import TRAIN_CONFIGS, TRAIN_SHAPE
+    from megatron_ext.precision.plan import PrecisionPlan, save_plan
+    from megatron_ext.precision.sites import SiteFormats
+    from megatron_ext.sites import all_site_ids
 
+    plan_file = out / "fp8_tensor_plan.json"
+    per_tensor = SiteFormats("fp8_e4m3", "fp8_e4m3", "fp8_e4m3")
+    save_plan(PrecisionPlan({s: per_tensor for s in all_site_ids(22)}, method="fp8-tensor"),
+              str(plan_file))
     rows = []
     for name in args.train_configs:
         run_dir = out / ("train_" + "".join(c if c.isalnum() else "_" for c in name))
-        run = _pretrain([*TRAIN_SHAPE, "--train-iters", str(args.train_steps),
-                         *TRAIN_CONFIGS[name]], run_dir)
+        flags = [f.format(fp8_tensor_plan=plan_file) for f in TRAIN_CONFIGS[name]]
+        run = _pretrain([*TRAIN_SHAPE, "--train-iters", str(args.train_steps), *flags], run_dir)
         records = [r for r in run.get("records", []) if "tokens_per_s" in r]
         timed = [r for r in records if r["step"] > 3] or records
         row = {"config": name}
@@ -174,7 +181,7 @@ def train(args, out) -> dict:
 
 
 def pytest(args, out) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "tests/unit", "-q", "-n", "12",
+    cmd = [sys.executable, "-m", "pytest", *args.pytest_paths, "-q", "-n", "12",
            "-p", "no:cacheprovider", "--durations=0", "--timeout", "120"]
     env = {**os.environ, "MEGATRON_EXT_CACHE": str(out / "cache")}
     try:
