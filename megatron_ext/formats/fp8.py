@@ -80,10 +80,14 @@ def to_fp8(t: torch.Tensor, fmt: Format, tensor_amax: torch.Tensor | None = None
 
         return Fp8Operand(*quantize_blocks(t, fmt, FP8_DTYPES[fmt.element.name]), fmt)
     amax = _block_amax(t, br, bc) if tensor_amax is None else tensor_amax.reshape(1, 1)
-    element: FloatElement = fmt.element
-    factors = fmt.scaling.factors(amax.float(), element)
-    data = _scale_and_cast(t, factors.quant, br, bc, element)
-    return Fp8Operand(data, factors.dequant.contiguous(), fmt)
+    dtype = FP8_DTYPES[fmt.element.name]
+    if t.is_cuda:  # factors, rounding and cast in one kernel after the reduction
+        from .triton_fp8 import scale_and_cast
+
+        return Fp8Operand(*scale_and_cast(t, amax, br, bc, fmt.element, dtype), fmt)
+    factors = fmt.scaling.factors(amax.float(), fmt.element)
+    return Fp8Operand(_scale_and_cast(t, factors.quant, br, bc, fmt.element, dtype),
+                      factors.dequant.contiguous(), fmt)
 
 
 def _block_amax(t: torch.Tensor, br: int, bc: int) -> torch.Tensor:
@@ -98,14 +102,10 @@ def _block_amax(t: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return amax.t() if transposed else amax
 
 
-def _scale_and_cast(t, quant, br, bc, element) -> torch.Tensor:
+def _scale_and_cast(t, quant, br, bc, element, dtype) -> torch.Tensor:
     """``round(t * quant)`` on ``element``'s grid, saturated, as FP8 ``(rows, cols)``."""
-    dtype = FP8_DTYPES[element.name]
-    if t.is_cuda:
-        from .triton_fp8 import scale_and_cast  # triton only where it runs
-
-        return scale_and_cast(t, quant, br, bc, element, dtype)
     rows, cols = t.shape
-    v = t.float().contiguous().view(rows // br, br, cols // bc, bc) * quant.view(rows // br, 1, -1, 1)
+    v = t.float().contiguous().view(rows // br, br, cols // bc, bc)
+    v = v * quant.view(rows // br, 1, -1, 1)
     v = v.clamp_(-element.max, element.max).view(rows, cols)
     return v.to(dtype).contiguous()

@@ -6,7 +6,7 @@ reference's rules (``_factors`` of :mod:`.triton_kernels`, as ``fake_quant``'s k
 rounds, and writes the FP8 values and the float32 block scales.
 
 :func:`scale_and_cast` is the second pass for per-tensor and per-row scales, whose amax a
-reduction has taken first: each program loads a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed
+reduction has taken first (the factors are made in the kernel, as above): each program loads a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed
 view reads in place), multiplies by the quantization factor of each value's scale block,
 rounds onto the element grid with the reference's nearest-even rule (``_round_grid`` of
 :mod:`.triton_kernels`, saturating), keeps the input's sign on zeros, and stores the values — exact in FP8 by then, so the
@@ -29,44 +29,47 @@ _BLOCK = 64
 
 @triton.jit
 def _scale_cast_kernel(
-    x_ptr, q_ptr, out_ptr, n_rows, n_cols, sx_r, sx_c, sq_r, sq_c,
-    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK: tl.constexpr,
-    ELEM_MAX: tl.constexpr, ELEM_EMIN: tl.constexpr, ELEM_MBITS: tl.constexpr,
+    x_ptr, amax_ptr, out_ptr, scale_ptr, n_rows, n_cols, sx_r, sx_c, scale_rows, scale_cols,
+    n_scale_cols, BLOCK: tl.constexpr, ELEM_MAX: tl.constexpr, ELEM_EMAX: tl.constexpr,
+    ELEM_EMIN: tl.constexpr, ELEM_MBITS: tl.constexpr, DROP_BITS: tl.constexpr,
 ):  # fmt: skip
+    """One BLOCK x BLOCK tile: factors of each value's scale block from its amax, round, cast;
+    the first value of each scale block writes the block's ``d``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * sx_r + c64[None, :] * sx_c, mask=mask, other=0.0)
-    q_offs = (r64[:, None] // SCALE_ROWS) * sq_r + (c64[None, :] // SCALE_COLS) * sq_c
-    quant = tl.load(q_ptr + q_offs, mask=mask, other=1.0)
+    index = (r64[:, None] // scale_rows) * n_scale_cols + c64[None, :] // scale_cols
+    amax = tl.load(amax_ptr + index, mask=mask, other=1.0).to(tl.float32)
+    quant, dequant = _factors(amax, amax, 0, ELEM_MAX, ELEM_EMAX, DROP_BITS)
     x = x.to(tl.float32)
     v = _round_grid(x * quant, x, ELEM_MAX, ELEM_EMIN, ELEM_MBITS, False, False)
     sign = x.to(tl.int32, bitcast=True) & -2147483648  # a value rounded to 0 keeps its sign
     v = ((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
     tl.store(out_ptr + r64[:, None] * n_cols + c64[None, :], v.to(out_ptr.dtype.element_ty),
              mask=mask)
+    first = mask & (r64[:, None] % scale_rows == 0) & (c64[None, :] % scale_cols == 0)
+    tl.store(scale_ptr + index, dequant, mask=first)
 
 
-def scale_and_cast(t: torch.Tensor, quant: torch.Tensor, block_rows: int, block_cols: int,
-                   element, dtype: torch.dtype) -> torch.Tensor:
-    """``round(t * quant)`` as ``dtype`` ``(rows, cols)``; ``quant`` has one value per
-    ``block_rows x block_cols`` block of ``t`` (2-D, any strides)."""
+def scale_and_cast(t: torch.Tensor, amax: torch.Tensor, block_rows: int, block_cols: int,
+                   element, dtype: torch.dtype):
+    """``(data, d)``: ``round(t * (1/d))`` as ``dtype`` ``(rows, cols)`` and float32 ``d`` per
+    ``block_rows x block_cols`` block, ``d`` made from ``amax`` (one value per block, any
+    float dtype) by the amax-scaling rule; ``t`` 2-D, any strides."""
     rows, cols = t.shape
     out = torch.empty(rows, cols, dtype=dtype, device=t.device)
-    quant = quant.float().contiguous()
-    block_rows = 1 if quant.shape[0] == 1 else block_rows  # one scale row: stride 0 below
-    block_cols = 1 if quant.shape[1] == 1 else block_cols
-    sq_r = quant.stride(0) if quant.shape[0] > 1 else 0
-    sq_c = quant.stride(1) if quant.shape[1] > 1 else 0
+    amax = amax.contiguous()
+    scale = torch.empty(amax.shape, dtype=torch.float32, device=t.device)
     grid = (triton.cdiv(rows, _BLOCK), triton.cdiv(cols, _BLOCK))
     _scale_cast_kernel[grid](
-        t, quant, out, rows, cols, t.stride(0), t.stride(1), sq_r, sq_c,
-        SCALE_ROWS=block_rows, SCALE_COLS=block_cols, BLOCK=_BLOCK,
-        ELEM_MAX=float(element.max), ELEM_EMIN=element.emin, ELEM_MBITS=element.mbits,
-        num_warps=4, enable_fp_fusion=False,
+        t, amax, out, scale, rows, cols, t.stride(0), t.stride(1), block_rows, block_cols,
+        amax.shape[1], BLOCK=_BLOCK, ELEM_MAX=float(element.max), ELEM_EMAX=element.emax,
+        ELEM_EMIN=element.emin, ELEM_MBITS=element.mbits,
+        DROP_BITS=element.max_significand_bits, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
-    return out
+    return out, scale
 
 
 @triton.jit

@@ -20,11 +20,14 @@ tile128 x tile128  ``(M, R/128)`` as above     ``(R/128, N)``: our ``(N, R/128)`
 
 (Hopper's blockwise layouts, as torch's ``_scaled_mm`` documents them.) What a device can
 run is found by trying: :func:`supported` runs each (dtypes, scalings, output dtype) once on a
-256x256x256 problem, in each candidate scale layout, and compares with the float64 product
+512x512x512 problem, in each candidate scale layout, and compares with the float64 product
 of the dequantized operands, so a layout torch does not take, or reads differently, is
 never used, and a pairing no layout gets right falls back to emulation instead of training
 on a wrong product. Shapes that the block sizes or the tensor cores' 16-element
-alignment do not divide run emulated too.
+alignment do not divide run emulated too, and so do blockwise GEMMs whose reduction length
+is not a multiple of 512: on the H100 a trial with 2 scale blocks along the reduction was
+accepted and came out wrong by 1e22, as if each scale row were read 4 values (16 bytes)
+long, so only reductions of a multiple of 4 blocks are trusted (and tried).
 
 Numerics: per GEMM, the real product is the exact product of the FP8 values and scales up
 to the FP32 accumulator; the emulated one first rounds each ``q * d`` to the run's dtype.
@@ -46,6 +49,8 @@ EXECUTION_CHOICES = ("auto", "real", "emulated")
 """``--fp8-execution`` values (see :func:`wants_real`)."""
 
 _ALIGN = 16  # _scaled_mm: every dimension a multiple of 16
+_BLOCK_ALIGN = 512  # blockwise: R / 128 scales per row, a multiple of 4 (16-byte rows)
+_TRIAL = 512  # the trial GEMM's size: aligned for every scaling
 
 
 @lru_cache(maxsize=None)
@@ -82,7 +87,7 @@ def runs_real(fmt_a: Format | None, fmt_b: Format | None, a: torch.Tensor,
     if (_kind(fmt_a), _kind(fmt_b)) not in _PAIRS or a.dim() != 2 or b.dim() != 2:
         return False
     (m, r), n = a.shape, b.shape[0]
-    if m % _ALIGN or n % _ALIGN or r % _ALIGN:
+    if m % _ALIGN or n % _ALIGN or r % (_BLOCK_ALIGN if fmt_a.scaling.cols else _ALIGN):
         return False
     for fmt, rows in ((fmt_a, m), (fmt_b, n)):
         br, bc = block_shape(fmt, rows, r)
@@ -130,14 +135,14 @@ TRIALS: dict[tuple, list[str]] = {}
 @lru_cache(maxsize=None)
 def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) -> int | None:
     """The layout (index into :func:`_scales`) with which this device's ``_scaled_mm`` runs
-    ``fmt_a x fmt_b`` with ``dtype`` output and gets it right, or None (one 256x256x256 trial
+    ``fmt_a x fmt_b`` with ``dtype`` output and gets it right, or None (one 512x512x512 trial
     per candidate against the float64 product; cached)."""
     fa, fb = get_format(fmt_a), get_format(fmt_b)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    steps = torch.arange(256)  # block amaxes 2**0..2**9 apart: a misread layout shows
-    spread = 2.0 ** (steps % 5)[:, None] * 2.0 ** (steps // 64)[None, :]
-    a = (torch.randn(256, 256, generator=gen) * spread).to(device=device, dtype=dtype)
-    b = (torch.randn(256, 256, generator=gen) * spread.t()).to(device=device, dtype=dtype)
+    steps = torch.arange(_TRIAL)  # block amaxes 2**0..2**7 apart: a misread layout shows
+    spread = 2.0 ** (steps % 5)[:, None] * 2.0 ** (steps // 128)[None, :]
+    a = (torch.randn(_TRIAL, _TRIAL, generator=gen) * spread).to(device=device, dtype=dtype)
+    b = (torch.randn(_TRIAL, _TRIAL, generator=gen) * spread.t()).to(device=device, dtype=dtype)
     qa, qb = to_fp8(a, fa), to_fp8(b, fb)
     ref = (_dequantized(qa) @ _dequantized(qb).t()).float()
     seen = TRIALS.setdefault((fmt_a, fmt_b, dtype, str(device)), [])

@@ -44,7 +44,7 @@ def count_scaled_mm(monkeypatch):
     original = torch._scaled_mm
 
     def counted(*args, **kwargs):
-        if args[0].shape != (256, 256):  # not real_gemm.supported's one-time trial
+        if args[0].shape != (512, 512):  # not real_gemm.supported's one-time trial
             calls.append(args[0].dtype)
         return original(*args, **kwargs)
 
@@ -120,8 +120,11 @@ def test_what_runs_real_on_this_cpu():
     assert not real_gemm.runs_real(f("fp8_e4m3"), f("fp4_e2m1"), t, r)
     assert not real_gemm.runs_real(f("fp8_e4m3"), None, t, r)
     assert not real_gemm.runs_real(f("fp8_e4m3"), f("fp8_e4m3"), torch.ones(30, 64), r)
+    # blockwise: the reduction must hold a multiple of 4 scale blocks (see real_gemm)
+    assert not real_gemm.runs_real(f("fp8_e4m3@tile128"), f("fp8_e4m3@tile128"),
+                                   torch.ones(128, 256), torch.ones(128, 256))
     # torch runs no blockwise _scaled_mm on CPU: the trial says so, the GEMM stays emulated
-    tiles, blocks = torch.ones(128, 256), torch.ones(128, 256)
+    tiles, blocks = torch.ones(128, 512), torch.ones(128, 512)
     assert not real_gemm.runs_real(f("fp8_e4m3@tile128"), f("fp8_e4m3@block128"), tiles, blocks)
 
 
