@@ -52,7 +52,10 @@ transform's own backward.
 **Real FP8 GEMMs.** With ``real`` set (``--fp8-execution``), a GEMM whose two operands are
 both amax-scaled FP8 formats runs on FP8 data with ``torch._scaled_mm`` instead
 (:mod:`.real_gemm`), one GEMM at a time: a site may run fprop real and wgrad emulated. Its
-forward then keeps the unquantized weight, and dgrad quantizes it along N itself.
+forward then keeps the unquantized weight, and dgrad quantizes it along N itself. Where an
+operand's format is axis-free (one scale per tensor, square blocks) its FP8 data serves both
+GEMMs that read it, transposed: the forward keeps ``q(x)`` in FP8 for wgrad instead of ``x``
+(half the bytes in BF16), and wgrad reuses dgrad's ``q(dy)``.
 
 The backward is *not* autograd of the quantized forward: with straight-through estimators
 autograd would reuse fprop's ``q(w)`` and ``q(x)`` along K, where the hardware GEMMs quantize
@@ -69,7 +72,8 @@ import torch.distributed as dist
 
 from megatron_ext.formats import Format, fake_quant
 from megatron_ext.formats.amax import finite_amax
-from megatron_ext.precision.real_gemm import fp8_gemm, runs_real
+from megatron_ext.formats.fp8 import Fp8Operand, to_fp8
+from megatron_ext.precision.real_gemm import axis_free, runs_real, scaled_mm, transposed
 from megatron_ext.precision.sites import GemmOperands
 
 
@@ -122,10 +126,18 @@ class QuantizedGemm(torch.autograd.Function):
                 ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None,
                 real: bool = False):
         x2 = x.reshape(-1, x.shape[-1])
+        kept_x, fp8_x = x, (None, None)
         if real and runs_real(ops.fprop_x, ops.fprop_w, x2, weight):
-            output = _fp8_gemm(x2, ops.fprop_x, weight, ops.fprop_w, group)
+            qx = _to_fp8(x2, ops.fprop_x, group)
+            output = scaled_mm(qx, _to_fp8(weight, ops.fprop_w, group), x.dtype)
             output = output.view(*x.shape[:-1], output.shape[-1])
             kept_w = weight  # dgrad quantizes w itself (the same q(w) for square blocks)
+            tokens, k = x2.shape  # wgrad's operands dy.T (N, T), x.T (K, T), shapes only:
+            wgrad = (x2.as_strided((weight.shape[0], tokens), (0, 0)),
+                     x2.as_strided((k, tokens), (0, 0)))
+            if (ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x)
+                    and runs_real(ops.wgrad_dy, ops.wgrad_x, *wgrad)):
+                kept_x, fp8_x = None, (qx.data, qx.scale)  # wgrad reads q(x): keep it in FP8
         else:
             w_fprop = quantize(weight, ops.fprop_w, axis=1, group=group)
             output = torch.matmul(quantize(x, ops.fprop_x, axis=-1, group=group), w_fprop.t())
@@ -133,48 +145,63 @@ class QuantizedGemm(torch.autograd.Function):
         if bias is not None:
             output = output + bias
         ctx.ops, ctx.group, ctx.use_bias, ctx.real = ops, group, bias is not None, real
-        ctx.w_quantized = kept_w is not weight
+        ctx.w_quantized, ctx.x_shape = kept_w is not weight, x.shape
         ctx.rebuild = recompute.rebuild if recompute is not None else None
-        ctx.save_for_backward(x, recompute.source if recompute is not None else kept_w)
+        ctx.save_for_backward(kept_x, recompute.source if recompute is not None else kept_w,
+                              *fp8_x)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x, w = ctx.saved_tensors
+        x, w, x8, x8_scale = ctx.saved_tensors
         ops, group = ctx.ops, ctx.group
-        grad_input = grad_weight = grad_bias = None
+        grad_input = grad_weight = grad_bias = qdy = None
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
         if ctx.needs_input_grad[0]:
-            grad_input = _dgrad(ctx, dy, w).view(*grad_output.shape[:-1], -1)
+            grad_input, qdy = _dgrad(ctx, dy, w)
+            grad_input = grad_input.view(*grad_output.shape[:-1], -1)
         if ctx.needs_input_grad[1]:
-            # along T: quantize dy.T (N, T) and x.T (K, T) along their last dim, which
-            # fake_quant does without transposing its result back
-            x2 = x.contiguous().view(-1, x.shape[-1])
-            if ctx.real and runs_real(ops.wgrad_dy, ops.wgrad_x, dy.t(), x2.t()):
-                grad_weight = _fp8_gemm(dy.t(), ops.wgrad_dy, x2.t(), ops.wgrad_x, group)
-            else:
-                grad_weight = torch.matmul(quantize(dy.t(), ops.wgrad_dy, -1, group),
-                                           quantize(x2.t(), ops.wgrad_x, -1, group).t())
+            qx = Fp8Operand(x8, x8_scale, ops.fprop_x) if x8 is not None else None
+            grad_weight = _wgrad(ctx, dy, qdy, x, qx)
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _fp8_gemm(a, fmt_a, b, fmt_b, group) -> torch.Tensor:
-    """A real FP8 ``a @ b.T`` (:mod:`.real_gemm`) with TP shards scaled as whole tensors."""
-    return fp8_gemm(a, fmt_a, b, fmt_b, whole_tensor_amax(a, fmt_a, group),
-                    whole_tensor_amax(b, fmt_b, group))
+def _to_fp8(t: torch.Tensor, fmt: Format, group) -> Fp8Operand:
+    """``t`` in FP8 (:func:`~megatron_ext.formats.fp8.to_fp8`), TP shards scaled as wholes."""
+    return to_fp8(t, fmt, whole_tensor_amax(t, fmt, group))
 
 
-def _dgrad(ctx, dy: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
-    """dx = q(dy) @ q(w), ``dy`` flattened to ``(T, N)``: real FP8 where the forward kept the
-    unquantized weight and the formats allow, else emulated."""
+def _dgrad(ctx, dy: torch.Tensor, saved: torch.Tensor):
+    """``(dx, q(dy))``: dx = q(dy) @ q(w) with ``dy`` flattened to ``(T, N)``, real FP8 where
+    the forward kept the unquantized weight and the formats allow (then ``q(dy)`` is kept
+    for wgrad), else emulated (``q(dy)`` None)."""
     ops = ctx.ops
     if ctx.real and not ctx.w_quantized:
         w = ctx.rebuild(saved) if ctx.rebuild is not None else saved
         if runs_real(ops.dgrad_dy, ops.dgrad_w, dy, w.t()):
-            return _fp8_gemm(dy, ops.dgrad_dy, w.t(), ops.dgrad_w, ctx.group)
-    return torch.matmul(quantize(dy, ops.dgrad_dy, -1, ctx.group), _dgrad_weight(ctx, saved))
+            qdy = _to_fp8(dy, ops.dgrad_dy, ctx.group)
+            return scaled_mm(qdy, _to_fp8(w.t(), ops.dgrad_w, ctx.group), dy.dtype), qdy
+    grad_input = torch.matmul(quantize(dy, ops.dgrad_dy, -1, ctx.group), _dgrad_weight(ctx, saved))
+    return grad_input, None
+
+
+def _wgrad(ctx, dy: torch.Tensor, qdy: Fp8Operand | None, x: torch.Tensor | None,
+           qx: Fp8Operand | None) -> torch.Tensor:
+    """dw = q(dy).T @ q(x), both along T: real FP8 where the formats allow, reusing dgrad's
+    ``q(dy)`` and the forward's FP8 ``q(x)`` transposed where their formats are axis-free;
+    else emulated (quantize dy.T (N, T) and x.T (K, T) along their last dim, which
+    fake_quant does without transposing its result back)."""
+    ops, group = ctx.ops, ctx.group
+    x2 = x.contiguous().view(-1, x.shape[-1]) if x is not None else None
+    if qx is not None or (ctx.real and runs_real(ops.wgrad_dy, ops.wgrad_x, dy.t(), x2.t())):
+        reuse_dy = qdy is not None and ops.wgrad_dy == ops.dgrad_dy and axis_free(ops.wgrad_dy)
+        a = transposed(qdy) if reuse_dy else _to_fp8(dy.t(), ops.wgrad_dy, group)
+        b = transposed(qx) if qx is not None else _to_fp8(x2.t(), ops.wgrad_x, group)
+        return scaled_mm(a, b, dy.dtype)
+    return torch.matmul(quantize(dy.t(), ops.wgrad_dy, -1, group),
+                        quantize(x2.t(), ops.wgrad_x, -1, group).t())
 
 
 def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:

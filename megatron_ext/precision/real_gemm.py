@@ -79,12 +79,13 @@ _PAIRS = {("tensor", "tensor"), ("row", "row"), ("tile128", "block128"), ("tile1
 """(a, b) scaling kinds ``_scaled_mm`` has a layout for (module docstring)."""
 
 
-def runs_real(fmt_a: Format | None, fmt_b: Format | None, a: torch.Tensor,
-              b: torch.Tensor) -> bool:
-    """Whether ``a @ b.T`` in these formats can run as a real FP8 GEMM on ``a``'s device."""
+def runs_real(fmt_a: Format | None, fmt_b: Format | None, a, b) -> bool:
+    """Whether ``a @ b.T`` in these formats can run as a real FP8 GEMM on ``a``'s device
+    (``a (M, R)``, ``b (N, R)``: tensors, or anything with their ``shape``, ``dtype``,
+    ``device``)."""
     if not (is_fp8_format(fmt_a) and is_fp8_format(fmt_b)):
         return False
-    if (_kind(fmt_a), _kind(fmt_b)) not in _PAIRS or a.dim() != 2 or b.dim() != 2:
+    if (_kind(fmt_a), _kind(fmt_b)) not in _PAIRS or len(a.shape) != 2 or len(b.shape) != 2:
         return False
     (m, r), n = a.shape, b.shape[0]
     if m % _ALIGN or n % _ALIGN or r % (_BLOCK_ALIGN if fmt_a.scaling.cols else _ALIGN):
@@ -94,6 +95,19 @@ def runs_real(fmt_a: Format | None, fmt_b: Format | None, a: torch.Tensor,
         if rows % br or r % bc:
             return False
     return supported(str(fmt_a), str(fmt_b), a.dtype, a.device) is not None
+
+
+def axis_free(fmt: Format | None) -> bool:
+    """Whether an operand quantized in ``fmt`` along one axis equals it quantized along the
+    other (one scale per tensor, square blocks; deterministic): its FP8 data then serves both
+    GEMMs that read it, transposed (:func:`transposed`)."""
+    return is_fp8_format(fmt) and fmt.scaling.rows == fmt.scaling.cols
+
+
+def transposed(op: Fp8Operand) -> Fp8Operand:
+    """``op`` quantized along its other axis, for an :func:`axis_free` format: the same values
+    and scales, transposed (one byte a value copied instead of a second quantization)."""
+    return Fp8Operand(op.data.t().contiguous(), op.scale.t().contiguous(), op.fmt)
 
 
 def fp8_gemm(a: torch.Tensor, fmt_a: Format, b: torch.Tensor, fmt_b: Format,
@@ -183,5 +197,5 @@ def describe(mode: str, device: torch.device) -> str:
             f"{', '.join(real) or 'no scaling'}; other FP8 scalings, FP4 / MX / NVFP4 emulated")
 
 
-__all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "describe", "fp8_gemm", "runs_real",
-           "scaled_mm", "supported", "wants_real"]
+__all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "axis_free", "describe", "fp8_gemm", "runs_real",
+           "scaled_mm", "supported", "transposed", "wants_real"]

@@ -155,3 +155,18 @@ def test_execution_modes():
     assert "emulated" in real_gemm.describe("auto", cpu)
     assert "real (torch._scaled_mm) on CPU for tensorxtensor, rowxrow;" in \
         real_gemm.describe("real", cpu)
+
+
+@pytest.mark.parametrize("case,fp8_kept", [("tensor", True), ("row", False)])
+def test_an_axis_free_x_is_kept_for_wgrad_in_fp8(case, fp8_kept):
+    """Per tensor, q(x) along K is q(x) along T: the forward keeps it in FP8 instead of x."""
+    x, w, b, _ = _tensors(torch.float32)
+    x.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        quantized_gemm(x, w.requires_grad_(), b, resolve(CASES[case]), real=True)
+    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    assert bool(fp8) == fp8_kept
+    assert any(t is x for t in saved) != fp8_kept
+    if fp8_kept:
+        assert fp8[0].shape == (S * B, K)
