@@ -1,0 +1,46 @@
+"""``benchmarks/gpu_check.py`` on a machine without a GPU: ``--help`` explains itself, a run
+says in one line that it needs a GPU (exit 2), and its markdown report renders results."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_lists_the_sections():
+    proc = _run("--help")
+    assert proc.returncode == 0
+    for word in ("--sections", "--train-configs", "tokens/s", "bit-identical", "wheels"):
+        assert word in proc.stdout
+
+
+def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
+    assert not torch.cuda.is_available()
+    proc = _run("--out", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: benchmarks/gpu_check.py needs a CUDA GPU; none is visible"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_report_renders_every_section():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.gpu_sections import markdown
+
+    results = {"env": {"gpu": "H100"},
+               "train": {"rows": [{"config": "bf16", "tokens/s": 100, "log": ["x"]},
+                                  {"config": "snip", "error": "CUDA out of memory"}]},
+               "gemm": {"error": "RuntimeError: boom"}, "main": {"returncode": 0}}
+    text = markdown(results)
+    assert "| config | tokens/s |" in text and "| bf16 | 100 |" in text
+    assert "error in snip: CUDA out of memory" in text
+    assert "gemm: RuntimeError: boom" in text and "formats: not run" in text
