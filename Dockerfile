@@ -20,13 +20,14 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /workspace/megatron_ext
 
 # 1. Dependencies, in their own layer (kept across code edits): setup.py's install_requires
-#    without torch (setup.py pins the CPU wheel torch==2.13.0 for laptops and CI; here the
-#    image's CUDA build is the torch), plus pytest and hypothesis for the tests on a GPU.
-#    tests/unit/test_dockerfile.py checks this list against setup.py.
+#    without torch (the image's CUDA build is the torch), megatron-core at the tested version
+#    inside setup.py's range, plus pytest and hypothesis for the tests on a GPU.
+#    tests/unit/packaging/test_dockerfile.py checks this list against setup.py.
 RUN pip install --no-cache-dir "megatron-core==0.16.1" numpy psutil tokenizers safetensors \
         tensorboard matplotlib highspy scipy pyyaml pytest hypothesis
 
-# 2. The package itself, without dependency resolution (which would ask for torch==2.13.0).
+# 2. The package itself, without dependency resolution (the image's constraints stay the only
+#    word on torch).
 #    Editable, so a checkout mounted over /workspace/megatron_ext is what runs.
 COPY . .
 RUN pip install --no-cache-dir --no-deps -e .

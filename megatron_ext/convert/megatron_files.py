@@ -68,15 +68,22 @@ def megatron_runtime(args):
             cpu.deactivate()
 
 
-def build_model(args, params_dtype: torch.dtype = torch.float32, meta: bool = False) -> list:
-    """This rank's model chunks, uninitialised (weights come from a checkpoint); on the ``meta``
-    device, they are only the map of keys and shapes."""
+def build_model(args, params_dtype: torch.dtype = torch.float32, meta: bool = False,
+                device: torch.device | None = None) -> list:
+    """This rank's model chunks, uninitialised (weights come from a checkpoint), every
+    parameter and buffer on ``device`` (default: this rank's, ``distributed.device()``); with
+    ``meta``, built on the ``meta`` device: only the map of keys and shapes."""
     config = transformer_config(args)
     config.params_dtype = params_dtype
     config.perform_initialization = False
     config.use_cpu_initialization = config.use_cpu_initialization or meta
     with torch.device("meta") if meta else nullcontext():
-        return build_model_chunks(args, config, args.padded_vocab_size)
+        chunks = build_model_chunks(args, config, args.padded_vocab_size)
+    if meta:
+        return chunks
+    # megatron-core puts its linears on the GPU itself, the torch norms stay on the CPU
+    device = device or distributed.device()
+    return [chunk.to(device) for chunk in chunks]
 
 
 def global_shapes(model) -> dict[str, tuple[int, ...]]:

@@ -1,7 +1,8 @@
 """``verify``: the converted megatron model and the Hugging Face model give the same logits.
 
-Both models run in FP32 on the same random tokens (megatron on the device pretrain would use:
-CPU / gloo here, GPU / NCCL on a GPU machine -- untested). The megatron side is the real thing:
+Both models run in FP32 on the same random tokens, on the device pretrain would use (CPU /
+gloo here, this rank's GPU / NCCL on a GPU machine: the megatron model and the Hugging Face
+model on the same device; the logits are compared on the CPU). The megatron side is the real thing:
 the model pretrain builds, at the requested TP x PP (one torchrun rank each), its weights loaded
 from the checkpoint by dist_checkpointing, and its forward pass driven by megatron-core's
 pipeline schedule. The last pipeline stage gathers the vocab-parallel logits; one rank runs
@@ -54,8 +55,8 @@ def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torc
     return gather_from_tensor_model_parallel_region(outputs[0])[..., :vocab_size].float().cpu()
 
 
-@torch.no_grad()
-def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+def hf_model(hf_dir: str, device: torch.device) -> torch.nn.Module:
+    """The Hugging Face model of ``hf_dir`` in FP32 eval mode, on ``device``."""
     try:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
@@ -63,8 +64,14 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
         raise UsageError("verify needs the transformers package (see docs/convert.md)") from None
     logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    return model(tokens).logits.float()
+                                                 attn_implementation="eager")
+    return model.eval().to(device)
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, vocab] FP32 logits on the CPU, computed on ``model``'s device."""
+    return model(tokens.to(next(model.parameters()).device)).logits.float().cpu()
 
 
 def verify(spec: ModelSpec, hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1,
@@ -78,9 +85,10 @@ def verify(spec: ModelSpec, hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1
         chunks = build_model(args)
         load_weights(chunks, ckpt_dir)
         logits = megatron_logits(chunks, tokens, spec.arch.vocab_size)
-        diff = torch.zeros(1, dtype=torch.float64, device=next(chunks[0].parameters()).device)
+        device = next(chunks[0].parameters()).device
+        diff = torch.zeros(1, dtype=torch.float64, device=device)
         if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
-            diff[0] = (logits - hf_logits(hf_dir, tokens)).abs().max().item()
+            diff[0] = (logits - hf_logits(hf_model(hf_dir, device), tokens)).abs().max().item()
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return diff.item()
 

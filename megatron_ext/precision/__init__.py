@@ -6,7 +6,8 @@
 * :mod:`.layers` — quantized megatron ``Column/RowParallelLinear`` for the layer specs;
 * :mod:`.plan` — :class:`PrecisionPlan`: JSON, hash, apply to a model, cross-rank check;
 * :mod:`.cost` — FLOP accounting by precision class, overall and per pipeline stage;
-* :mod:`.policies` — plans from flags (``uniform:bf16|fp8|fp4``, keep first/last layers);
+* :mod:`.policies` — plans from flags (``uniform:bf16|fp8|fp4|fp4-tensor|<format>``, keep
+  first/last layers);
 * :mod:`.extension` — the training Extension (``precision_extension()``).
 
 See ``docs/precision.md``.

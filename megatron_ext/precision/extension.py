@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("precision (per-layer GEMM formats)")
     g.add_argument("--precision", default=None, metavar="POLICY[:ARG]",
                    help="make the base plan with a policy: "
-                        + ", ".join(policies.policy_choices()))
+                        + ", ".join(policies.policy_choices()) + " (<format>: any "
+                        "megatron_ext.formats name, the same for x, w and dy: mxfp4, nvfp4, "
+                        "mxfp8, fp8_e4m3@row, ...)")
     g.add_argument("--precision-plan", default=None, metavar="PLAN.json",
                    help="read the base plan from a PrecisionPlan JSON file (docs/precision.md)")
     g.add_argument("--keep-first-last-layers-bf16", type=int, default=0, metavar="N",

@@ -21,7 +21,9 @@ later replaces the base through the plan controller (:mod:`.controller`).
   ``w`` round to nearest);
 * ``fp4-tensor`` — E2M1 with one scale per tensor and round-to-nearest for every operand: the
   harsh recipe of the comparison regime (``docs/compare.md``), where uniform FP4 ends ~7 %
-  above FP32 on the tiny Llama instead of ~0.6 %.
+  above FP32 on the tiny Llama instead of ~0.6 %;
+* any other ``megatron_ext.formats`` name (``mxfp4``, ``nvfp4``, ``mxfp8``, ``fp8_e4m3@row``,
+  ``int8@tile128``, ``nvfp4+sr``, ...) — that one format for all three operands (``+sr``, too).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Callable
 
 from megatron_ext.precision.controller import Overlay
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats, normalize_format
 from megatron_ext.sites import SITES, all_site_ids, site_id
 
 UNIFORM = {
@@ -61,6 +63,11 @@ class Policy:
     """The ``ARG`` values accepted after the colon; empty: the policy takes none."""
     owner: str = "precision"
     """The method that registered it (its extension validates its flags)."""
+    open_arg: str = ""
+    """Besides ``args``: a placeholder (``<format>``) for any ``ARG`` that :attr:`accepts`;
+    empty: only ``args``."""
+    accepts: Callable[[str], bool] | None = None
+    """``accepts(arg)`` -> whether an ``ARG`` outside ``args`` is valid (with ``open_arg``)."""
     dry_run: Callable[..., PrecisionPlan] | None = None
     """``dry_run(args, shape)`` -> the plan ``--dry-run`` assumes, for a policy whose plan
     only training can decide (None: ``make``'s plan is used); ``shape`` is the run's
@@ -68,7 +75,12 @@ class Policy:
     (:mod:`.dry_run`)."""
 
     def spellings(self) -> list[str]:
-        return [f"{self.name}:{arg}" for arg in self.args] or [self.name]
+        args = [*self.args, *([self.open_arg] if self.open_arg else [])]
+        return [f"{self.name}:{arg}" for arg in args] or [self.name]
+
+    def takes(self, arg: str) -> bool:
+        """Whether ``ARG`` (the text after the colon) is one this policy accepts."""
+        return arg in self.args or bool(self.accepts and arg and self.accepts(arg))
 
 
 POLICIES: dict[str, Policy] = {}
@@ -93,7 +105,7 @@ def lookup(spec: str) -> tuple[Policy, str | None]:
     """The policy ``--precision spec`` names and its argument; ``ValueError`` if unknown."""
     name, colon, arg = spec.partition(":")
     policy = POLICIES.get(name)
-    if policy is None or (arg not in policy.args if policy.args else colon):
+    if policy is None or (not policy.takes(arg) if policy.args or policy.open_arg else colon):
         raise ValueError(f"unknown precision {spec!r}; choose one of {', '.join(policy_choices())}")
     return policy, (arg if colon else None)
 
@@ -104,9 +116,22 @@ def make_plan(spec: str, args: argparse.Namespace) -> PrecisionPlan:
     return policy.make(args, arg)
 
 
+def uniform_formats(recipe: str) -> SiteFormats:
+    """``UNIFORM[recipe]``, else the format ``recipe`` names for all three operands
+    (``ValueError`` if it names none)."""
+    return UNIFORM.get(recipe) or SiteFormats(recipe, recipe, recipe)
+
+
+def _is_format(name: str) -> bool:
+    try:
+        return normalize_format(name) != PASSTHROUGH
+    except ValueError:
+        return False
+
+
 def uniform_plan(recipe: str, num_layers: int) -> PrecisionPlan:
-    """Every site of a ``num_layers``-layer model in ``UNIFORM[recipe]``."""
-    formats = UNIFORM[recipe]
+    """Every site of a ``num_layers``-layer model in :func:`uniform_formats` of ``recipe``."""
+    formats = uniform_formats(recipe)
     return PrecisionPlan({sid: formats for sid in all_site_ids(num_layers)},
                          method=f"uniform:{recipe}")
 
@@ -120,4 +145,5 @@ def keep_overlay(count: int, num_layers: int) -> Overlay:
 
 
 register_policy(Policy("uniform", lambda args, arg: uniform_plan(arg, args.num_layers),
-                       help="every site alike", args=tuple(UNIFORM)))
+                       help="every site alike", args=tuple(UNIFORM), open_arg="<format>",
+                       accepts=_is_format))

@@ -61,6 +61,7 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     """Distributed init, data, model (then the extensions' ``after_model``), optimizer,
     scheduler, checkpointer; the extensions' ``after_setup``; resumes on --load."""
     from megatron_ext.training import checkpointing, data, distributed, init, loop, model, optimizer
+    from megatron_ext.training.attention_backend import resolve_attention_backend
     from megatron_ext.training.loop import TrainState
 
     distributed.initialize(args)
@@ -71,6 +72,8 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     args.transformer_impl = model.resolve_transformer_impl(args.transformer_impl,
                                                            linears is not None,
                                                            args.attention_backend)
+    args.attention_backend = resolve_attention_backend(args.attention_backend,
+                                                       args.transformer_impl)  # for args.json
     linears = linears or model.default_linear_classes
     chunks = model.build_model_chunks(args, config, args.padded_vocab_size, linears)
     init.initialize_layout_invariant(chunks, config, args.seed)

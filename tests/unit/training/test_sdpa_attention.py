@@ -4,6 +4,7 @@ bias, dropout, TP=2 with heads split (gloo), and what it keeps for backward."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -220,14 +221,28 @@ def test_attention_backend_resolution():
     assert resolve_transformer_impl("auto", False, "sdpa") == "local"
 
 
+@pytest.mark.parametrize("backend, module", [("auto", "SDPAttention"), ("sdpa", "SDPAttention"),
+                                             ("local", "DotProductAttention")])
+def test_the_flag_picks_the_core_attention_of_every_layer(world, backend, module):
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.model import build_model_chunks, transformer_config
+
+    args = parse_args("llama", ["--mock-data", "--attention-backend", backend], world_size=1)
+    layers = build_model_chunks(args, transformer_config(args), 512)[0].decoder.layers
+    assert {type(layer.self_attention.core_attention).__name__ for layer in layers} == {module}
+
+
 def test_twenty_training_steps_match_the_local_backend(run_pretrain):
     """The tiny Llama (GQA 4 heads / 2 groups, FP32) trains the same 20 steps with either core
-    attention (measured: largest relative loss difference 7e-7)."""
+    attention (measured: largest relative loss difference 7e-7); args.json records which."""
     from pretrain_runner import train_losses
 
     steps = ["--train-iters", "20", "--no-save"]
-    sdpa = train_losses(run_pretrain("sdpa", [*steps, "--attention-backend", "sdpa"]))
-    local = train_losses(run_pretrain("local", [*steps, "--attention-backend", "local"]))
+    runs = {b: run_pretrain(b, [*steps, "--attention-backend", "auto" if b == "sdpa" else b])
+            for b in ("sdpa", "local")}
+    for backend, run_dir in runs.items():
+        assert json.loads((run_dir / "args.json").read_text())["attention_backend"] == backend
+    sdpa, local = (train_losses(runs[b]) for b in ("sdpa", "local"))
     assert sorted(sdpa) == sorted(local) == list(range(1, 21))
     for step, loss in local.items():
         assert sdpa[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
