@@ -25,6 +25,7 @@ the allocator (:mod:`.allocator`) changes them between steps, a test can fix the
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -92,7 +93,7 @@ class StepScalars:
         lr, wd = group["lr"], group["weight_decay"]
         values = (1 - lr * wd if wd != 0 else 1.0, 1 - beta1, beta2, 1 - beta2,
                   (1 - beta2 ** step) ** 0.5, group["eps"], -(lr / (1 - beta1 ** step)))
-        return cls(*(float(torch.tensor(x, dtype=torch.float32)) for x in values))
+        return cls(*(struct.unpack("f", struct.pack("f", x))[0] for x in values))
 
 
 def _kernel_takes(group: dict, p: torch.Tensor, block: int, old: int, new: int) -> bool:
