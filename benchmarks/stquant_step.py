@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ext.methods.stquant.adamw import QuantizedAdamW, Slot, StepScalars, torch_step  # noqa: E402
+from megatron_ext.methods.stquant.adamw import QuantizedAdamW, Slot  # noqa: E402
+from megatron_ext.methods.stquant.update import StepScalars, torch_steps  # noqa: E402
 from megatron_ext.methods.stquant.quantizer import quantize  # noqa: E402
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -94,7 +95,7 @@ def check_rows(device: torch.device, numel: int = 1 << 20) -> list[dict]:
         m_q = quantize(torch.randn(numel, generator=gen) * 1e-3, "linear", old, 64, lead)
         v_q = quantize(torch.rand(numel, generator=gen) * 1e-6, "log", old, 64, lead)
         p_ref = p.clone()
-        m_ref, v_ref = torch_step(group, p_ref, g, m_q, v_q, new, torch.tensor(3.0))
+        (m_ref, v_ref), = torch_steps(group, [p_ref], [g], [m_q], [v_q], new, [torch.tensor(3.0)])
         p_dev = p.to(device)
         opt_state = [_to(q, device) for q in (m_q, v_q)]
         if device.type == "cuda":
@@ -102,7 +103,8 @@ def check_rows(device: torch.device, numel: int = 1 << 20) -> list[dict]:
             got = triton_step.step(p_dev, g.to(device), *opt_state, new,
                                    StepScalars.of(group, 4.0))
         else:
-            got = torch_step(group, p_dev, g.to(device), *opt_state, new, torch.tensor(3.0))
+            got, = torch_steps(group, [p_dev], [g.to(device)], *([q] for q in opt_state), new,
+                               [torch.tensor(3.0)])
         same = all(torch.equal(a.codes.cpu(), b.codes) and (
             a.scales is None or torch.equal(a.scales.cpu(), b.scales)) for a, b in zip(got, (m_ref, v_ref)))
         update = (p_ref.double() - p.double() * (1 - HYPER["lr"] * HYPER["weight_decay"])).abs()

@@ -25,20 +25,13 @@ the allocator (:mod:`.allocator`) changes them between steps, a test can fix the
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch.optim.adam import adam as torch_adam
 
-from megatron_ext.methods.stquant.quantizer import (QState, dequantize, dequantize_blocks,
-                                                    quantize, quantize_blocks)
-
-try:
-    from megatron_ext.methods.stquant import triton_step
-except ImportError:  # no triton: the torch path runs on every device
-    triton_step = None
+from megatron_ext.methods.stquant.quantizer import QState, dequantize, quantize
+from megatron_ext.methods.stquant.update import adam_, update_quantized
 
 
 @dataclass(frozen=True)
@@ -49,73 +42,6 @@ class Slot:
     """Index of its layer in the widths list; None keeps its state float32."""
     lead: int = 0
     """Offset of its first element inside its quantization block (shard start mod block)."""
-
-
-def _adam(group: dict, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-    """``torch.optim.AdamW``'s update of one group's tensors (torch's functional code)."""
-    if group.get("amsgrad", False):
-        raise ValueError("STQuant's AdamW does not implement amsgrad")
-    beta1, beta2 = group["betas"]
-    torch_adam(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, has_complex=False,
-        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-        eps=group["eps"], maximize=group.get("maximize", False), foreach=group.get("foreach"),
-        capturable=group.get("capturable", False),
-        differentiable=group.get("differentiable", False), fused=group.get("fused"),
-        decoupled_weight_decay=group.get("decoupled_weight_decay",
-                                         group.get("adam_w_mode", True)))
-
-
-@dataclass(frozen=True)
-class StepScalars:
-    """The float32 constants of one AdamW step, computed (in float64, then rounded to
-    float32) as torch's single-tensor AdamW computes its Python scalars."""
-
-    decay: float
-    """``1 - lr * weight_decay`` (1 without weight decay)."""
-    lerp_weight: float
-    """``1 - beta1``, the ``lerp`` weight of ``m``."""
-    beta2: float
-    """``beta2``, the factor of ``v``."""
-    one_minus_beta2: float
-    """``1 - beta2``, the ``addcmul`` value."""
-    bias2_sqrt: float
-    """``sqrt(1 - beta2**t)``."""
-    eps: float
-    """``eps``."""
-    neg_step_size: float
-    """``-lr / (1 - beta1**t)``, the ``addcdiv`` value."""
-
-    @classmethod
-    def of(cls, group: dict, step: float) -> "StepScalars":
-        """The constants of step ``step`` (already incremented) of ``group``."""
-        beta1, beta2 = group["betas"]
-        lr, wd = group["lr"], group["weight_decay"]
-        values = (1 - lr * wd if wd != 0 else 1.0, 1 - beta1, beta2, 1 - beta2,
-                  (1 - beta2 ** step) ** 0.5, group["eps"], -(lr / (1 - beta1 ** step)))
-        return cls(*(struct.unpack("f", struct.pack("f", x))[0] for x in values))
-
-
-def _kernel_takes(group: dict, p: torch.Tensor, block: int, old: int, new: int) -> bool:
-    """Whether the fused Triton step applies (plain AdamW settings, a CUDA parameter)."""
-    plain = not any(group.get(k, False) for k in ("maximize", "capturable", "differentiable"))
-    return (triton_step is not None and plain and isinstance(group["lr"], float)
-            and triton_step.supports(p, block, old, new))
-
-
-def torch_step(group: dict, p: torch.Tensor, grad: torch.Tensor, m_q: QState, v_q: QState,
-               bits: int, step: torch.Tensor) -> tuple[QState, QState]:
-    """The torch path of one parameter's update (every device): ``m``, ``v`` dequantized
-    into zero-padded blocks, torch's AdamW on their parameter range, requantized from the
-    blocks; returns the new ``m``, ``v`` (at 32 bits both ways: AdamW in place)."""
-    if m_q.bits == 32 and bits == 32:
-        _adam(group, [p.view(-1)], [grad.view(-1)], [m_q.codes], [v_q.codes], [step])
-        return m_q, v_q
-    m, v = dequantize_blocks(m_q), dequantize_blocks(v_q)
-    n = slice(m_q.lead, m_q.lead + m_q.numel)
-    _adam(group, [p.view(-1)], [grad.view(-1)], [m.view(-1)[n]], [v.view(-1)[n]], [step])
-    return (quantize_blocks(m, "linear", bits, m_q.numel, m_q.lead),
-            quantize_blocks(v, "log", bits, m_q.numel, m_q.lead))
 
 
 class QuantizedAdamW(torch.optim.Optimizer):
@@ -170,6 +96,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         widths = list(self.widths())
         for group in self.param_groups:
             plain: tuple[list, ...] = ([], [], [], [], [])
+            quantized = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -182,21 +109,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
                                                      state["exp_avg_sq"], state["step"])):
                         bucket.append(value)
                 else:
-                    self._quantized_update(group, p, state, widths[slot.layer], slot.lead)
+                    quantized.append((p, state, widths[slot.layer]))
             if plain[0]:
-                _adam(group, *plain)
+                adam_(group, *plain)
+            update_quantized(group, quantized, self.block)
         return loss
-
-    def _quantized_update(self, group: dict, p, state: dict, bits: int, lead: int) -> None:
-        m_q, v_q = state["exp_avg"], state["exp_avg_sq"]
-        if _kernel_takes(group, p, self.block, m_q.bits, bits):
-            state["step"] += 1
-            scalars = StepScalars.of(group, state["step"].item())
-            state["exp_avg"], state["exp_avg_sq"] = triton_step.step(
-                p.view(-1), p.grad.view(-1), m_q, v_q, bits, scalars)
-        else:
-            state["exp_avg"], state["exp_avg_sq"] = torch_step(group, p, p.grad, m_q, v_q,
-                                                               bits, state["step"])
 
     def dequantized_state(self, p: torch.Tensor) -> dict | None:
         """``exp_avg``, ``exp_avg_sq`` (float32, shaped like ``p``) and ``step``; None

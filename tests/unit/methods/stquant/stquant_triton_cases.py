@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from megatron_ext.methods.stquant.adamw import StepScalars, torch_step
+from megatron_ext.methods.stquant.update import StepScalars, torch_steps
 from megatron_ext.methods.stquant.quantizer import quantize
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_stquant_triton.py"
@@ -58,7 +58,7 @@ WIDTHS = [(o, n) for o, n in itertools.product([4, 8, 16, 32], repeat=2) if (o, 
 def test_kernel_matches_the_torch_path_bit_for_bit(old, new, numel, lead, group):
     p, grad, m_q, v_q = state(numel, lead, old, seed=old * 100 + new)
     p0, p_ref, step = p.clone(), p.clone(), torch.tensor(4.0)
-    m_ref, v_ref = torch_step(group, p_ref, grad, m_q, v_q, new, step)
+    (m_ref, v_ref), = torch_steps(group, [p_ref], [grad], [m_q], [v_q], new, [step])
     m_new, v_new = triton_step.step(p, grad, m_q, v_q, new, StepScalars.of(group, step.item()))
     assert_close_update(p, p_ref, p0)
     assert_same(m_new, m_ref)
