@@ -53,8 +53,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.formats import QuantizedTensor
-from megatron_ext.formats import dequantize as formats_dequantize
 from megatron_ext.formats import quantize as formats_quantize
 from megatron_ext.formats.codes import pack_nibbles, unpack_nibbles
 
@@ -128,12 +126,14 @@ def _linear(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _linear_values(q: QState) -> torch.Tensor:
+    """``q``'s values in blocks: ``code * s`` at 16 bits; at 4 / 8 bits what the formats
+    package's ``dequantize`` gives (``±|q| * d`` from sign-magnitude codes, a negative zero
+    code as ``-0``), computed with arithmetic instead of its table lookup."""
     if q.bits == 16:
         return q.codes.float() * q.scales
-    shape = (q.scales.shape[0], q.block)
-    return formats_dequantize(QuantizedTensor(codes=q.codes, scales=q.scales,
-                                              fmt=_int_format(q.bits), shape=shape,
-                                              dtype=torch.float32, axis=1))
+    codes = unpack_nibbles(q.codes, q.block) if q.bits == 4 else q.codes
+    values = (codes & ((1 << (q.bits - 1)) - 1)).float().mul_(q.scales)
+    return values.mul_((codes >> (q.bits - 1)).float().mul_(-2).add_(1))
 
 
 @functools.cache
@@ -158,13 +158,31 @@ def _log(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     vmax = blocks.amax(dim=1, keepdim=True)
     safe = torch.where(vmax > 0, vmax, torch.ones_like(vmax))
     ratio = (blocks / safe).clamp_(min=torch.finfo(torch.float32).tiny).view(torch.int32)
-    mantissa = (ratio & 0x7FFFFF).bitwise_or_(0x3F800000).view(torch.float32)
-    k = _rungs_up(mantissa, cuts)
-    k += ((ratio >> 23) - 127).mul_(cuts.numel()).add_(top)
-    k = k.clamp_(1, top).masked_fill_(blocks <= 0, 0)
+    k = _rungs_in_octave(ratio, cuts)
+    k += ((ratio >> 23).float().sub_(127).mul_(cuts.numel()).add_(top))
+    k = k.clamp_(1, top).mul_(torch.sign(blocks).clamp_(min=0))  # v <= 0: code 0
     if bits == 16:
         return (k - 2 ** 15).to(torch.int16), vmax
     return (pack_nibbles(k.to(torch.uint8)) if bits == 4 else k.to(torch.uint8)), vmax
+
+
+NEAR_CUT = 2.0 ** -8
+"""How close (in rungs) ``log2(f) / δ + 1/2`` must come to an integer for :func:`_rungs_in_octave`
+to check it against the cuts (float32 ``log2`` and the scaling are off by < 2**-10 rungs)."""
+
+
+def _rungs_in_octave(ratio_bits: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """``#{i: f >= cuts[i]}`` as float32, ``f`` the mantissa in ``[1, 2)`` of each (positive,
+    normal) float32 whose bits are ``ratio_bits``: ``floor(log2(f) / δ + 1/2)``, and where
+    that is within :data:`NEAR_CUT` of a cut, the exact count (:func:`_rungs_up`)."""
+    mantissa = (ratio_bits & 0x7FFFFF).bitwise_or_(0x3F800000).view(torch.float32)
+    t = torch.log2(mantissa).mul_(cuts.numel()).add_(0.5)
+    frac = torch.frac(t)
+    near = (frac - 0.5).abs_() > 0.5 - NEAR_CUT
+    count = t.sub_(frac)
+    where = near.nonzero(as_tuple=True)
+    count[where] = _rungs_up(mantissa[where], cuts).float()
+    return count
 
 
 def _rungs_up(mantissa: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
@@ -184,7 +202,7 @@ def _log_values(q: QState) -> torch.Tensor:
     else:
         k = unpack_nibbles(q.codes, q.block) if q.bits == 4 else q.codes
     rungs, _ = log_tables(q.bits, q.codes.device)
-    return q.scales * rungs[k.long()]
+    return q.scales * torch.index_select(rungs, 0, k.reshape(-1).int()).view(k.shape)
 
 
 @torch.no_grad()
