@@ -3,7 +3,7 @@
 :class:`QuantizedAdamW` is a ``torch.optim.Optimizer`` that takes the place of the torch
 AdamW inside a megatron optimizer. For each parameter it holds ``m`` and ``v`` as
 :class:`~megatron_ext.methods.stquant.quantizer.QState` (linear / logarithmic blockwise codes,
-or float32 at 32 bits). A step, per parameter:
+or float32 at 32 bits). A step, per parameter (in effect):
 
 1. dequantize ``m``, ``v`` into float32 temporaries (no copy at 32 bits: the update is in
    place);
@@ -18,6 +18,9 @@ The update in step 2 uses the fresh float32 ``m_t``, ``v_t``, as bitsandbytes' a
 state — what the next step starts from — is quantized in both. At 32 bits the result is
 bit-identical to ``torch.optim.AdamW``. Parameters without a layer (tensors smaller than the
 quantization floor) keep ordinary float32 ``exp_avg`` / ``exp_avg_sq`` tensors.
+
+How the step runs (the torch path batched over a group's parameters, or one fused Triton
+kernel per CUDA parameter): :mod:`.update`.
 
 Widths come from a callable (``widths() -> list[int]``, indexed by layer), read once per step:
 the allocator (:mod:`.allocator`) changes them between steps, a test can fix them.
