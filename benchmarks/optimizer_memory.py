@@ -93,7 +93,11 @@ def _torchao(name: str, inner):
     return opt
 
 
-def measuring_extension(name: str):
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""The clocks ``--clock`` chooses from."""
+
+
+def measuring_extension(name: str, clock: str = "wall"):
     """The worker's extension: swap in torchao if asked, time the step, count the bytes."""
     from megatron_ext.extension import Extension
 
@@ -106,9 +110,9 @@ def measuring_extension(name: str):
         step = optimizer.step
 
         def timed():
-            start = time.perf_counter()
+            start = CLOCKS[clock]()
             result = step()
-            times.append(time.perf_counter() - start)
+            times.append(CLOCKS[clock]() - start)
             return result
 
         optimizer.step = timed
@@ -121,12 +125,12 @@ def measuring_extension(name: str):
     return lambda controller: Extension("bench", wrap_optimizer=wrap_optimizer, on_step=on_step)
 
 
-def worker(name: str, argv: list[str]) -> int:
+def worker(name: str, clock: str, argv: list[str]) -> int:
     from megatron_ext.defaults import default_extensions
     from megatron_ext.training.pretrain import main
 
     sys.argv = [sys.argv[0], *argv]
-    return main("llama", extensions=default_extensions(measuring_extension(name)))
+    return main("llama", extensions=default_extensions(measuring_extension(name, clock)))
 
 
 def run_one(name: str, seed: int, args, work: Path) -> dict:
@@ -137,7 +141,7 @@ def run_one(name: str, seed: int, args, work: Path) -> dict:
     train = ["--train-iters", str(args.steps), "--eval-interval", str(args.steps),
              "--eval-iters", str(args.eval_iters), "--log-interval", "1", "--no-save",
              "--seed", str(seed), "--run-dir", str(run_dir), *OPTIMIZERS[name]]
-    proc = subprocess.run([sys.executable, __file__, "--worker", name, "--", *train],
+    proc = subprocess.run([sys.executable, __file__, "--worker", name, args.clock, "--", *train],
                           cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise UsageError(f"the {name} run failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -203,6 +207,9 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234],
                         help="the runs' --seed; every optimizer runs once per seed")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="time optimizer.step() by wall time (default) or by this process's "
+                        "CPU time (all its threads; steadier on a shared machine)")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep the run directories (metrics, STQuant's widths) under DIR")
     parser.add_argument("--report", nargs="+", metavar="JSON",
@@ -228,5 +235,5 @@ def run(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        sys.exit(worker(sys.argv[2], sys.argv[4:]))
+        sys.exit(worker(sys.argv[2], sys.argv[3], sys.argv[5:]))
     sys.exit(run_cli(run))

@@ -3,7 +3,7 @@
 :class:`QuantizedAdamW` is a ``torch.optim.Optimizer`` that takes the place of the torch
 AdamW inside a megatron optimizer. For each parameter it holds ``m`` and ``v`` as
 :class:`~megatron_ext.methods.stquant.quantizer.QState` (linear / logarithmic blockwise codes,
-or float32 at 32 bits). A step, per parameter:
+or float32 at 32 bits). A step, per parameter (in effect):
 
 1. dequantize ``m``, ``v`` into float32 temporaries (no copy at 32 bits: the update is in
    place);
@@ -19,6 +19,9 @@ state — what the next step starts from — is quantized in both. At 32 bits th
 bit-identical to ``torch.optim.AdamW``. Parameters without a layer (tensors smaller than the
 quantization floor) keep ordinary float32 ``exp_avg`` / ``exp_avg_sq`` tensors.
 
+How the step runs (the torch path batched over a group's parameters, or one fused Triton
+kernel per CUDA parameter): :mod:`.update`.
+
 Widths come from a callable (``widths() -> list[int]``, indexed by layer), read once per step:
 the allocator (:mod:`.allocator`) changes them between steps, a test can fix them.
 """
@@ -29,9 +32,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch.optim.adam import adam as torch_adam
 
 from megatron_ext.methods.stquant.quantizer import QState, dequantize, quantize
+from megatron_ext.methods.stquant.update import adam_, update_quantized
 
 
 @dataclass(frozen=True)
@@ -42,21 +45,6 @@ class Slot:
     """Index of its layer in the widths list; None keeps its state float32."""
     lead: int = 0
     """Offset of its first element inside its quantization block (shard start mod block)."""
-
-
-def _adam(group: dict, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-    """``torch.optim.AdamW``'s update of one group's tensors (torch's functional code)."""
-    if group.get("amsgrad", False):
-        raise ValueError("STQuant's AdamW does not implement amsgrad")
-    beta1, beta2 = group["betas"]
-    torch_adam(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, has_complex=False,
-        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-        eps=group["eps"], maximize=group.get("maximize", False), foreach=group.get("foreach"),
-        capturable=group.get("capturable", False),
-        differentiable=group.get("differentiable", False), fused=group.get("fused"),
-        decoupled_weight_decay=group.get("decoupled_weight_decay",
-                                         group.get("adam_w_mode", True)))
 
 
 class QuantizedAdamW(torch.optim.Optimizer):
@@ -111,6 +99,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         widths = list(self.widths())
         for group in self.param_groups:
             plain: tuple[list, ...] = ([], [], [], [], [])
+            quantized = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -123,19 +112,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
                                                      state["exp_avg_sq"], state["step"])):
                         bucket.append(value)
                 else:
-                    self._quantized_update(group, p, state, widths[slot.layer], slot.lead)
+                    quantized.append((p, state, widths[slot.layer]))
             if plain[0]:
-                _adam(group, *plain)
+                adam_(group, *plain)
+            update_quantized(group, quantized, self.block)
         return loss
-
-    def _quantized_update(self, group: dict, p, state: dict, bits: int, lead: int) -> None:
-        m_q, v_q = state["exp_avg"], state["exp_avg_sq"]
-        m = m_q.codes if m_q.bits == 32 else dequantize(m_q)
-        v = v_q.codes if v_q.bits == 32 else dequantize(v_q)
-        _adam(group, [p.view(-1)], [p.grad.view(-1)], [m], [v], [state["step"]])
-        if bits != 32 or m_q.bits != 32:
-            state["exp_avg"] = quantize(m, "linear", bits, self.block, lead)
-            state["exp_avg_sq"] = quantize(v, "log", bits, self.block, lead)
 
     def dequantized_state(self, p: torch.Tensor) -> dict | None:
         """``exp_avg``, ``exp_avg_sq`` (float32, shaped like ``p``) and ``step``; None

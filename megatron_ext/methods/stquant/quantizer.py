@@ -23,7 +23,11 @@ the block's largest magnitude at 4 bits, 1/254 at 8, 1/65534 at 16). Zero is a c
 **Logarithmic, for v** (``v >= 0``, ``b`` bits): ``K = 2**b - 1``, per block ``vmax``; code
 ``0`` is exactly zero, and codes ``k = 1..K`` are ``v̂ = vmax * 2**((k - K) δ)``, a geometric
 ladder with step ``δ`` (in log2 units, :data:`LOG_STEP`) ending exactly at ``vmax``. A
-positive ``v`` gets ``k = clamp(round(K + log2(v / vmax) / δ), 1, K)``. Inside the ladder's
+positive ``v`` gets ``k = clamp(round(K + log2(v / vmax) / δ), 1, K)``, computed exactly
+(no ``log2``, no ``exp2``, so every device gives the same codes and values): with
+``r = v / vmax = 2**e * f`` (``f`` in ``[1, 2)``), ``k = K + e/δ + #{i: f >= c_i}`` where
+``c_i`` is the smallest float32 above ``2**((i + 1/2) δ)`` (:func:`log_tables`), and a code
+decodes to ``vmax * rung[k]``, ``rung[k]`` the float32 nearest ``2**((k - K) δ)``. Inside the ladder's
 range the relative error is bounded: ``|log2(v̂ / v)| <= δ / 2``; a ``v`` below the lowest
 rung ``vmax * 2**((1 - K) δ)`` is rounded *up* to it — never down to zero, so Adam's step
 ``m / (sqrt(v̂) + eps)`` can only shrink, never blow up, from a too-small ``v``. ``v = 0``
@@ -43,13 +47,12 @@ Inputs must be finite (megatron skips optimizer steps with non-finite gradients)
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.formats import QuantizedTensor
-from megatron_ext.formats import dequantize as formats_dequantize
 from megatron_ext.formats import quantize as formats_quantize
 from megatron_ext.formats.codes import pack_nibbles, unpack_nibbles
 
@@ -123,34 +126,83 @@ def _linear(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _linear_values(q: QState) -> torch.Tensor:
+    """``q``'s values in blocks: ``code * s`` at 16 bits; at 4 / 8 bits what the formats
+    package's ``dequantize`` gives (``±|q| * d`` from sign-magnitude codes, a negative zero
+    code as ``-0``), computed with arithmetic instead of its table lookup."""
     if q.bits == 16:
         return q.codes.float() * q.scales
-    shape = (q.scales.shape[0], q.block)
-    return formats_dequantize(QuantizedTensor(codes=q.codes, scales=q.scales,
-                                              fmt=_int_format(q.bits), shape=shape,
-                                              dtype=torch.float32, axis=1))
+    codes = unpack_nibbles(q.codes, q.block) if q.bits == 4 else q.codes
+    values = (codes & ((1 << (q.bits - 1)) - 1)).float().mul_(q.scales)
+    return values.mul_((codes >> (q.bits - 1)).float().mul_(-2).add_(1))
+
+
+@functools.cache
+def log_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rungs, cuts)`` of the ``bits``-bit logarithmic ladder, float32 on ``device``:
+    ``rungs[k]`` the float32 nearest ``2**((k - K) δ)`` (``rungs[0] = 0``), ``K + 1`` values;
+    ``cuts[i]`` the smallest float32 above ``2**((i + 1/2) δ)``, ``1/δ`` values in ``(1, 2)``:
+    a mantissa ``f`` rounds up past ``i`` rungs of its octave iff ``f >= cuts[i]`` (no float32
+    equals an irrational cut, so the rounding has no ties)."""
+    top, step = 2 ** bits - 1, LOG_STEP[bits]
+    rungs = torch.exp2((torch.arange(top + 1, dtype=torch.float64) - top) * step).float()
+    rungs[0] = 0.0
+    exact = torch.exp2((torch.arange(round(1 / step), dtype=torch.float64) + 0.5) * step)
+    cuts = exact.float()
+    cuts = torch.where(cuts.double() < exact, torch.nextafter(cuts, torch.tensor(2.0)), cuts)
+    return rungs.to(device), cuts.to(device)
 
 
 def _log(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    top, step = 2 ** bits - 1, LOG_STEP[bits]
+    top = 2 ** bits - 1
+    _, cuts = log_tables(bits, blocks.device)
     vmax = blocks.amax(dim=1, keepdim=True)
     safe = torch.where(vmax > 0, vmax, torch.ones_like(vmax))
-    octaves = torch.log2((blocks / safe).clamp_(min=torch.finfo(torch.float32).tiny))
-    k = torch.round(top + octaves / step).clamp_(1, top)
-    k = torch.where(blocks > 0, k, torch.zeros_like(k)).to(torch.int32)
+    ratio = (blocks / safe).clamp_(min=torch.finfo(torch.float32).tiny).view(torch.int32)
+    k = _rungs_in_octave(ratio, cuts)
+    k += ((ratio >> 23).float().sub_(127).mul_(cuts.numel()).add_(top))
+    k = k.clamp_(1, top).mul_(torch.sign(blocks).clamp_(min=0))  # v <= 0: code 0
     if bits == 16:
         return (k - 2 ** 15).to(torch.int16), vmax
     return (pack_nibbles(k.to(torch.uint8)) if bits == 4 else k.to(torch.uint8)), vmax
+
+
+NEAR_CUT = 2.0 ** -8
+"""How close (in rungs) ``log2(f) / δ + 1/2`` must come to an integer for :func:`_rungs_in_octave`
+to check it against the cuts (float32 ``log2`` and the scaling are off by < 2**-10 rungs)."""
+
+
+def _rungs_in_octave(ratio_bits: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """``#{i: f >= cuts[i]}`` as float32, ``f`` the mantissa in ``[1, 2)`` of each (positive,
+    normal) float32 whose bits are ``ratio_bits``: ``floor(log2(f) / δ + 1/2)``, and where
+    that is within :data:`NEAR_CUT` of a cut, the exact count (:func:`_rungs_up`)."""
+    mantissa = (ratio_bits & 0x7FFFFF).bitwise_or_(0x3F800000).view(torch.float32)
+    t = torch.log2(mantissa).mul_(cuts.numel()).add_(0.5)
+    frac = torch.frac(t)
+    near = (frac - 0.5).abs_() > 0.5 - NEAR_CUT
+    count = t.sub_(frac)
+    where = near.nonzero(as_tuple=True)
+    count[where] = _rungs_up(mantissa[where], cuts).float()
+    return count
+
+
+def _rungs_up(mantissa: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """``#{i: mantissa >= cuts[i]}`` (int32): ``round(log2(mantissa) / δ)`` estimated with
+    ``log2`` (off by at most one) and corrected against the cuts on either side."""
+    per = cuts.numel()
+    edges = torch.cat([cuts.new_full((1,), -math.inf), cuts, cuts.new_full((1,), math.inf)])
+    c = torch.log2(mantissa).mul_(per).add_(0.5).floor_().clamp_(0, per).long()
+    up = torch.take(edges, c + 1) <= mantissa
+    down = torch.take(edges, c) > mantissa
+    return c.add_(up).sub_(down.long()).int()
 
 
 def _log_values(q: QState) -> torch.Tensor:
     if q.bits == 16:
         k = q.codes.to(torch.int32) + 2 ** 15
     else:
-        k = (unpack_nibbles(q.codes, q.block) if q.bits == 4 else q.codes).to(torch.int32)
-    top = 2 ** q.bits - 1
-    ladder = q.scales * torch.exp2((k - top).float() * LOG_STEP[q.bits])
-    return torch.where(k > 0, ladder, torch.zeros_like(ladder))
+        k = unpack_nibbles(q.codes, q.block) if q.bits == 4 else q.codes
+    rungs, _ = log_tables(q.bits, q.codes.device)
+    return q.scales * torch.index_select(rungs, 0, k.reshape(-1).int()).view(k.shape)
 
 
 @torch.no_grad()
@@ -165,8 +217,18 @@ def quantize(x: torch.Tensor, mode: str, bits: int, block: int, lead: int = 0) -
     x = x.reshape(-1)
     if bits == 32:
         return QState(mode, 32, x.numel(), lead, block, x.float().clone(), None)
-    codes, scales = (_linear if mode == "linear" else _log)(_blocks(x, block, lead), bits)
-    return QState(mode, bits, x.numel(), lead, block, codes, scales)
+    return quantize_blocks(_blocks(x, block, lead), mode, bits, x.numel(), lead)
+
+
+def quantize_blocks(blocks: torch.Tensor, mode: str, bits: int, numel: int, lead: int) -> QState:
+    """:func:`quantize` of the ``numel`` values at ``lead`` in the zero-padded float32
+    ``(nblocks, block)`` tensor ``blocks`` (its other elements must be zeros)."""
+    if bits == 32:
+        values = blocks.view(-1)[lead:lead + numel]
+        return QState(mode, 32, numel, lead, blocks.shape[1],
+                      values if values.numel() == blocks.numel() else values.clone(), None)
+    codes, scales = (_linear if mode == "linear" else _log)(blocks, bits)
+    return QState(mode, bits, numel, lead, blocks.shape[1], codes, scales)
 
 
 @torch.no_grad()
@@ -174,5 +236,12 @@ def dequantize(q: QState) -> torch.Tensor:
     """The float32 values ``q`` stands for (a new 1-D tensor of ``q.numel`` elements)."""
     if q.bits == 32:
         return q.codes.clone()
-    values = _linear_values(q) if q.mode == "linear" else _log_values(q)
-    return values.reshape(-1)[q.lead:q.lead + q.numel].clone()
+    return dequantize_blocks(q).reshape(-1)[q.lead:q.lead + q.numel].clone()
+
+
+def dequantize_blocks(q: QState) -> torch.Tensor:
+    """The values of ``q`` in a new zero-padded float32 ``(nblocks, block)`` tensor (the
+    layout :func:`quantize_blocks` takes)."""
+    if q.bits == 32:
+        return _blocks(q.codes, q.block, q.lead)
+    return _linear_values(q) if q.mode == "linear" else _log_values(q)

@@ -144,3 +144,30 @@ def test_replacing_keeps_the_group_dicts():
     inner = torch.optim.AdamW(params, **HYPER)
     new = QuantizedAdamW.replacing(inner, {}, lambda: [], block=64)
     assert new.param_groups is inner.param_groups and new.defaults["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("old,new", [(4, 4), (8, 16), (32, 8), (16, 32)])
+def test_batched_torch_path_equals_each_parameter_alone(old, new):
+    """Parameters stepped together (joined blocks) == each stepped alone, bit for bit."""
+    from megatron_ext.methods.stquant.quantizer import quantize
+    from megatron_ext.methods.stquant.update import torch_steps
+
+    group = dict(make(problem()[0], 8).defaults)
+    g = torch.Generator().manual_seed(3)
+    shapes = [(100, 0), (4096, 17), (999, 63)]  # (numel, lead)
+    ps = [torch.randn(n, generator=g) for n, _ in shapes]
+    gs = [torch.randn(n, generator=g) * 1e-2 for n, _ in shapes]
+    ms = [quantize(torch.randn(n, generator=g) * 1e-2, "linear", old, 64, lead) for n, lead in shapes]
+    vs = [quantize(torch.rand(n, generator=g) * 1e-4, "log", old, 64, lead) for n, lead in shapes]
+    alone = [p.clone() for p in ps]
+    ref = [torch_steps(group, [a], [gr], [m], [v], new, [torch.tensor(2.0)])[0]
+           for a, gr, m, v in zip(alone, gs, ms, vs)]
+    steps = [torch.tensor(2.0) for _ in ps]
+    got = torch_steps(group, ps, gs, ms, vs, new, steps)
+    assert all(s.item() == 3.0 for s in steps)
+    assert all(torch.equal(a, b) for a, b in zip(ps, alone))
+    for (m1, v1), (m2, v2) in zip(got, ref):
+        for a, b in ((m1, m2), (v1, v2)):
+            assert (a.bits, a.numel, a.lead) == (b.bits, b.numel, b.lead) == (new, b.numel, b.lead)
+            assert torch.equal(a.codes, b.codes)
+            assert a.scales is None and b.scales is None or torch.equal(a.scales, b.scales)
