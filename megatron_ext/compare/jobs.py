@@ -11,7 +11,8 @@ flags) and is deleted before the job runs again.
 What is read from ``metrics.jsonl`` (``megatron_ext.training.metrics``): training records
 (``"loss"``) and validation records (``"val_loss"``), both with ``"step"``; the cost model's
 ``fp4_flop_frac`` and ``gemm_time_vs_bf16`` on training records when a precision plan is
-active. A run without them (no ``--precision``) counts as FP4 fraction 0 and GEMM time 1:
+active, and their ``mem_gib`` (peak memory since the previous record; the run's peak is the
+largest). A run without them (no ``--precision``) counts as FP4 fraction 0 and GEMM time 1:
 the cost model puts an operand left at the run's own precision in the BF16 class.
 """
 
@@ -80,6 +81,9 @@ class RunMetrics:
     """The same, averaged over the logged training steps (a plan that changes counts pro rata)."""
     gemm_time_mean: float
     """Cost-model GEMM time relative to all-BF16, averaged over the logged training steps."""
+    mem_gib: float | None = None
+    """Peak memory of the run: the largest ``mem_gib`` of its training records (rank 0; peak
+    RSS on CPU, allocated on GPU); None if no record has one."""
 
 
 def _series(records: list[dict], key: str) -> tuple[tuple[int, float], ...]:
@@ -116,8 +120,9 @@ def read_metrics(run_dir: Path) -> RunMetrics:
         raise ValueError(f"'{run_dir}': no training records")
     fp4 = [float(r.get("fp4_flop_frac", 0.0)) for r in steps]
     time = [float(r.get("gemm_time_vs_bf16", 1.0)) for r in steps]
+    mem = [value for _, value in _series(steps, "mem_gib")]
     return RunMetrics(train_iters, val[-1][1], _series(records, "loss"), val, fp4[-1],
-                      sum(fp4) / len(fp4), sum(time) / len(time))
+                      sum(fp4) / len(fp4), sum(time) / len(time), max(mem) if mem else None)
 
 
 def is_finished(job: Job) -> bool:

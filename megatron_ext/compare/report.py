@@ -35,7 +35,9 @@ def _header(results: dict) -> list[str]:
     within = f" within its `{grid['group_by']}` group" if grid["group_by"] else ""
     lines += [f"Rank 1 = lowest mean loss{within}. FP4 = FP4 share of the linear-layer FLOPs "
               "of the final plan (mean over the logged steps); GEMM saving = 1 − the cost "
-              "model's GEMM time relative to all-BF16 (mean over the logged steps).", ""]
+              "model's GEMM time relative to all-BF16 (mean over the logged steps); peak mem = the "
+              "largest `mem_gib` logged by rank 0 over the seeds (peak RSS of the process on "
+              "CPU, allocated tensor memory on GPU).", ""]
     return lines
 
 
@@ -44,7 +46,7 @@ def _main_table(results: dict) -> list[str]:
     ref = grid["reference"]
     cols = ["run", *(["group"] if grid["group_by"] else []), "rank", "val loss",
             *([f"Δ vs `{ref}`", "Δ %", "z"] if ref else []), "FP4 final (mean)",
-            "GEMM saving"]
+            "GEMM saving", "peak mem GiB"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, run in results["runs"].items():
         cells = [f"`{name}`", *([_group(run["group"])] if grid["group_by"] else []),
@@ -54,7 +56,8 @@ def _main_table(results: dict) -> list[str]:
             cells += [_pm(diff["mean"], diff["se"], True), f"{diff['rel_pct']:+.2f} %",
                       _z(diff["z"])] if diff else ["(reference)", "", ""]
         cells += [f"{run['fp4_flop_frac']:.3f} ({run['fp4_flop_frac_mean']:.3f})",
-                  f"{100 * run['gemm_time_saving']:.1f} %"]
+                  f"{100 * run['gemm_time_saving']:.1f} %",
+                  "n/a" if run.get("mem_gib") is None else f"{run['mem_gib']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

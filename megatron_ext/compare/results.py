@@ -7,9 +7,10 @@ Layout (seeds are JSON object keys, so strings)::
      "runs": {name: {
          "flags": [...], "group": "0.5" | null, "rank": 1,
          "seeds": {"1234": {"val_loss", "train_iters", "fp4_flop_frac",
-                            "fp4_flop_frac_mean", "gemm_time_vs_bf16"}},
+                            "fp4_flop_frac_mean", "gemm_time_vs_bf16", "mem_gib"}},
          "val_loss": {"mean", "se"},
          "fp4_flop_frac", "fp4_flop_frac_mean", "gemm_time_vs_bf16", "gemm_time_saving",
+         "mem_gib",
          "vs_reference": {"diffs": {"1234": d}, "mean", "se", "z", "rel_pct"} | null}},
      "groups": [{"group": "0.5" | null, "ranking": [names, best first],
                  "margin": {"runner_up", "best", "mean", "se", "z"} | null,
@@ -18,7 +19,8 @@ Layout (seeds are JSON object keys, so strings)::
 ``fp4_flop_frac`` is the final plan's FP4 share of the linear-layer FLOPs, ``..._mean`` its
 mean over the logged steps, ``gemm_time_vs_bf16`` the cost model's GEMM time relative to
 all-BF16 (mean over the logged steps) and ``gemm_time_saving`` one minus it; all four are
-means over the seeds. ``vs_reference`` is the paired difference run - reference
+means over the seeds. ``mem_gib`` is the run's peak memory (the largest logged ``mem_gib``),
+per seed and the largest over the seeds (null where a run logged none). ``vs_reference`` is the paired difference run - reference
 (:mod:`.stats`), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
 paired difference runner-up - best of a group (how clearly the best one leads) and
 ``best_per_seed`` the group's lowest loss on each seed (a tie: the first in config order).
@@ -46,7 +48,13 @@ def _paired_json(p: Paired) -> dict:
 
 def _seed_json(m: RunMetrics) -> dict:
     return {"val_loss": m.val_loss, "train_iters": m.train_iters, "fp4_flop_frac": m.fp4_final,
-            "fp4_flop_frac_mean": m.fp4_mean, "gemm_time_vs_bf16": m.gemm_time_mean}
+            "fp4_flop_frac_mean": m.fp4_mean, "gemm_time_vs_bf16": m.gemm_time_mean,
+            "mem_gib": m.mem_gib}
+
+
+def _peak(values: list[float | None]) -> float | None:
+    """The largest of the seeds' peaks; None unless every seed has one."""
+    return None if any(v is None for v in values) else max(values)
 
 
 def _run_json(grid: Grid, run: RunSpec, metrics: Metrics) -> dict:
@@ -58,7 +66,8 @@ def _run_json(grid: Grid, run: RunSpec, metrics: Metrics) -> dict:
            "val_loss": {"mean": mean(values), "se": standard_error(values)},
            "fp4_flop_frac": mean([m.fp4_final for m in per_seed]),
            "fp4_flop_frac_mean": mean([m.fp4_mean for m in per_seed]),
-           "gemm_time_vs_bf16": time, "gemm_time_saving": 1.0 - time, "vs_reference": None}
+           "gemm_time_vs_bf16": time, "gemm_time_saving": 1.0 - time,
+           "mem_gib": _peak([m.mem_gib for m in per_seed]), "vs_reference": None}
     if grid.reference is not None and run.name != grid.reference:
         ref = losses(metrics, grid.reference, grid.seeds)
         diff = paired(losses(metrics, run.name, grid.seeds), ref)

@@ -18,6 +18,7 @@ from megatron_ext.data.sampler import MicroBatchIterator
 from megatron_ext.training.distributed import device
 from megatron_ext import extension as ext
 from megatron_ext.training.faults import guarded_step
+from megatron_ext.training.memory import PeakMemory
 
 
 @dataclass
@@ -107,12 +108,6 @@ def _validate(args, model, valid_ds, state: TrainState, logger) -> None:
                            "val_ppl": math.exp(min(val_loss, 50.0))})
 
 
-def _memory_gib() -> dict:
-    if not torch.cuda.is_available():
-        return {}
-    return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-
-
 def replay(args, model: list, train_dataset, consumed_samples: int, dataset=None) -> float:
     """Forward + backward of the global batch at ``consumed_samples`` of ``dataset`` (default:
     the training set) with no update; the gradient buffers are zeroed after. Returns its loss
@@ -156,6 +151,7 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
         _validate(args, model, valid_ds, state, logger)  # the starting point of the curve
     for hook in ext.hooks(extensions, "on_train_start"):
         hook(args, run, state)
+    memory = PeakMemory()  # peak since the last logged step, hooks included
     try:
         while state.iteration < args.train_iters:
             for hook in ext.hooks(extensions, "before_step"):  # observed passes, plan switches
@@ -174,7 +170,7 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
                     "step": state.iteration, "loss": result["loss"],
                     "lr": lr, "grad_norm": result["grad_norm"],
                     "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                    "consumed_samples": state.consumed_samples, **_memory_gib(), **extra})
+                    "consumed_samples": state.consumed_samples, **memory.metrics(), **extra})
             last = state.iteration == args.train_iters
             if state.iteration % args.eval_interval == 0 or last:
                 _validate(args, model, valid_ds, state, logger)

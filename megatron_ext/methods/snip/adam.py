@@ -36,14 +36,16 @@ def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torc
     return a.square()
 
 
-def adam_terms(optimizer, site_params: dict) -> tuple[dict, dict]:
+def adam_terms(optimizer, site_params: dict, dtype=torch.float64) -> tuple[dict, dict]:
     """``({site: A² like the site's local weight},
     {"lr", "beta1", "beta2", "step", "eps"})``.
 
-    ``site_params`` maps each local site id to its model parameter (the weight).
+    ``site_params`` maps each local site id to its model parameter (the weight). ``A²`` is
+    computed in float64 one site at a time (one site's ``m, v, g`` in float64 at most) and
+    returned in ``dtype`` (float32 holds half as much, rounded to 2^-24 relative).
     """
     site_of = {id(p): sid for sid, p in site_params.items()}
-    out: dict[str, torch.Tensor] = {}
+    found: dict[str, list] = {}
     sharded = False
     hyper = None
     for mp in main_params(optimizer):
@@ -55,33 +57,30 @@ def adam_terms(optimizer, site_params: dict) -> tuple[dict, dict]:
         state = adam_moments(inner, mp.main) if site is not None else None
         if not state or mp.main.grad is None:
             continue
-        mvg = torch.stack([state["exp_avg"].double(), state["exp_avg_sq"].double(),
-                           mp.main.grad.double()])
-        if mp.distributed:  # this rank's slice of the flattened weight
-            full = out.setdefault(site, torch.zeros(
-                3, mp.model.numel(), dtype=torch.float64, device=mvg.device))
-            full[:, mp.start:mp.start + mp.main.numel()] = mvg.reshape(3, -1)
-        else:
-            out[site] = mvg.view(3, *mp.model.shape)
+        found.setdefault(site, []).append((mp, state))
         hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2,
                  "eps": group["eps"], "step": float(state.get("step", 0))}
-    if sharded:
-        out = _sum_shards(out, site_params)
     hyper = _agree(hyper)
-    return {sid: a_squared(mvg, hyper["beta1"], hyper["beta2"], hyper["eps"])
-            for sid, mvg in out.items()}, hyper
+    sites = sorted(site_params) if sharded else list(found)  # sharded: all ranks, same order
+    return {sid: a_squared(_mvg(site_params[sid], found.get(sid, []), sharded),
+                           hyper["beta1"], hyper["beta2"], hyper["eps"]).to(dtype)
+            for sid in sites}, hyper
 
 
-def _sum_shards(out: dict, site_params: dict) -> dict:
-    """Every DP rank adds its slices of every site (all ranks, same order: no deadlock)."""
-    group = parallel_state.get_data_parallel_group()
-    result = {}
-    for sid in sorted(site_params):
-        p = site_params[sid]
-        full = out.get(sid, torch.zeros(3, p.numel(), dtype=torch.float64, device=p.device))
-        dist.all_reduce(full, group=group)
-        result[sid] = full.view(3, *p.shape)
-    return result
+def _mvg(param: torch.Tensor, pieces: list, sharded: bool) -> torch.Tensor:
+    """The stacked float64 ``(m_t, v_t, g)`` of one site's weight; sharded over DP (the
+    distributed optimizer): every rank adds its slices, one all-reduce per site."""
+    if not sharded:
+        (mp, state), = pieces
+        return torch.stack([state["exp_avg"].double(), state["exp_avg_sq"].double(),
+                            mp.main.grad.double()]).view(3, *param.shape)
+    full = torch.zeros(3, param.numel(), dtype=torch.float64, device=param.device)
+    for mp, state in pieces:  # this rank's slice of the flattened weight
+        end = mp.start + mp.main.numel()
+        for row, t in enumerate((state["exp_avg"], state["exp_avg_sq"], mp.main.grad)):
+            full[row, mp.start:end] = t.reshape(-1)
+    dist.all_reduce(full, group=parallel_state.get_data_parallel_group())
+    return full.view(3, *param.shape)
 
 
 def _agree(hyper: dict | None) -> dict:

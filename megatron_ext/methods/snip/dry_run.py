@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 from megatron_ext.extension import DryRunPart
 from megatron_ext.methods.snip.ilp import SolverConfig, solve
-from megatron_ext.methods.snip.options import parse_option_name
+from megatron_ext.methods.snip.memory import (GIB, RefreshMemory, local_sites, sums_per_site,
+                                              refresh_memory as memory_of)
+from megatron_ext.methods.snip.options import parse_candidates, parse_option_name
 from megatron_ext.methods.snip.synthetic import synthetic_problem
 from megatron_ext.precision.cost import ModelShape, layer_stages
 from megatron_ext.precision.dry_run import micro_batch_shape
@@ -133,18 +135,37 @@ def stand_in_plan(args, shape: ModelShape) -> PrecisionPlan:
     return plan_from_choice(solve_for_shape(args, shape)[1], args.snip_budget, method)
 
 
+def refresh_memory(args, context) -> list[RefreshMemory]:
+    """Per pipeline stage, what a refresh holds on one GPU beyond a step (:mod:`.memory`)."""
+    shape = ModelShape.from_args(args)
+    layout = context.layout
+    sums = sums_per_site(parse_candidates(args.snip_candidates).all_formats())
+    return [memory_of(s.per_gpu, 2 if layout.bf16 else 4,
+                      local_sites(shape, s.layers, layout.tp),
+                      layout.seq * layout.micro_batch, layout.micro_batches, sums)
+            for s in context.stages]
+
+
 def estimate(args, context) -> DryRunPart:
-    """SNIP's part of the report: a refresh's sizes and the ILP of this shape."""
+    """SNIP's part of the report: a refresh's sizes and memory, and the ILP of this shape."""
     ilp, _ = solve_for_shape(args, micro_batch_shape(args, context))
     sizes = snip_sizes(args, context)
+    extra = refresh_memory(args, context)
+    worst = max(extra, key=lambda m: m.total)
     stages = ", ".join(f"{f:.2f}" for f in ilp.stage_fp4_fraction)
     return DryRunPart(lines=(
         f"SNIP refresh: {sizes.sites} sites x {sizes.options} options; statistics per GPU "
         f"{sizes.stage_scalars[0] * SCALAR_BYTES:,} B (TP all-reduce, DP all-reduce of that "
         f"size), PP gather {sizes.gathered_bytes:,} B to the solver, plan broadcast "
         f"{sizes.plan_bytes:,} B",
+        f"SNIP refresh memory per GPU beyond a step (the 'extra' column), largest stage: "
+        f"{worst.total / GIB:.2f} GiB = snapshot {worst.snapshot / GIB:.2f} + A² "
+        f"{worst.adam / GIB:.2f} + dw {worst.base_grad / GIB:.2f} + float64 sums "
+        f"{worst.accumulators / GIB:.2f} + largest site {worst.transient / GIB:.2f}",
         f"SNIP ILP (synthetic statistics, budget {ilp.budget:g}, stage balance "
         f"{ilp.stage_balance}): {ilp.status} in {ilp.solve_time:.2f} s, {ilp.variables:,} "
         f"variables ({ilp.pruned:,} pruned), FP4 {ilp.fp4_fraction:.3f}, per stage "
         f"[{stages}], objective {ilp.objective:.1f}"),
-        json={"snip": dataclasses.asdict(sizes), "ilp": dataclasses.asdict(ilp)})
+        memory=tuple(float(m.total) for m in extra),
+        json={"snip": dataclasses.asdict(sizes), "ilp": dataclasses.asdict(ilp),
+              "snip_refresh_memory": [dataclasses.asdict(m) for m in extra]})

@@ -3,10 +3,12 @@
 Schedule (SNIP §3, Fig. 6). With ``--snip-start S --snip-interval I --snip-apply-lag D``,
 a **refresh** happens before steps ``s = S, S+I, S+2I, ...`` (``s`` = optimizer steps done):
 
-1. every rank runs steps 1-3 on the batch step ``s+1`` will train on
-   (:func:`megatron_ext.methods.snip.refresh.collect`), then trains step ``s+1`` normally;
-2. after that step the AdamW terms are read and all statistics are summed over all ranks
-   (one all-reduce of ``sites x stats`` scalars);
+1. every rank copies its weights (:class:`~megatron_ext.methods.snip.refresh.WeightSnapshot`)
+   and trains step ``s+1`` normally;
+2. after that step it reads the AdamW terms, swaps the copy in and runs steps 1-3 on the batch
+   step ``s+1`` trained on (:func:`megatron_ext.methods.snip.refresh.collect`: the statistics
+   of the weights before the step, A-weighted as they complete), swaps the weights back, and
+   all statistics are summed over all ranks (one all-reduce of ``sites x stats`` scalars);
 3. rank 0 runs step 4 (divergences) and 5 (ILP) in a background thread while training goes
    on, and writes ``<run dir>/snip/step_<s>/{stats,divergence,problem,solution,plan}.json``;
 4. before step ``s + D + 1`` (after ``D`` steps) every rank takes the plan from rank 0
@@ -36,12 +38,13 @@ from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import Policy, register_policy
 from megatron_ext.sites import SITES, ROLES, site_id
 from megatron_ext.precision.sites import SiteFormats
-from megatron_ext.methods.snip import dry_run, planner
+from megatron_ext.methods.snip import dry_run, memory, planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences
 from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.options import DEFAULT_CANDIDATES, option_name, parse_candidates
 from megatron_ext.io import write_json_atomic
-from megatron_ext.methods.snip.refresh import adam_statistics, collect, reduce_statistics
+from megatron_ext.methods.snip.refresh import (WeightSnapshot, adam_squares, collect,
+                                               reduce_statistics)
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 
@@ -136,10 +139,11 @@ class SnipRun:
         self.candidates: dict = {}
         self.pending: dict | None = None
         """The refresh awaiting its apply step: step, apply, stats, loss, hyper."""
-        self._collected = None
+        self._snapshot = None
+        """(WeightSnapshot, consumed samples) of a refresh due, from before its step ``s+1``
+        until its passes after that step."""
         self._worker: threading.Thread | None = None
         self._result: dict | None = None
-        self._collect_s = 0.0
         self._apply_s: float | None = None
 
     def validate(self, args) -> None:
@@ -152,8 +156,12 @@ class SnipRun:
         self.candidates, self.options = parse_flags(args)
 
     def after_setup(self, args, run, state) -> None:
-        if self.policy is not None:
-            run.checkpointer.register("snip", self)
+        if self.policy is None:
+            return
+        run.checkpointer.register("snip", self)
+        if self.policy in planner.STATS_POLICIES:  # before the first step: would it fit?
+            memory.check_fits(memory.of_run(args, run.model, self.candidates),
+                              _activations(args))
 
     # -- schedule ----------------------------------------------------------------------
     def _refresh_due(self, args, step: int) -> bool:
@@ -168,31 +176,35 @@ class SnipRun:
             start = time.perf_counter()
             self._apply(args)
             self._apply_s = time.perf_counter() - start
-        if self._refresh_due(args, state.iteration):
-            start = time.perf_counter()
-            self._collected = collect(args, run, state.consumed_samples, self.candidates,
-                                      args.snip_noise)
-            self._collect_s = time.perf_counter() - start
+        if self._refresh_due(args, state.iteration):  # the passes run after the step
+            self._snapshot = (WeightSnapshot(run.model), state.consumed_samples)
 
     def on_step(self, args, run, state) -> dict | None:
         """Metrics of this step: ``snip_apply_s`` (plan switch before it, waiting for the
-        worker included); after a refresh's step ``s+1``: ``snip_collect_s`` (steps 1-3
-        before it) and ``snip_reduce_s`` (AdamW read + the all-reduce, after it)."""
+        worker included); after a refresh's step ``s+1``: ``snip_collect_s`` (steps 1-3 on
+        its batch and the weights before it, after it) and ``snip_reduce_s`` (AdamW read +
+        the all-reduce)."""
         metrics = {}
         if self._apply_s is not None:
             metrics["snip_apply_s"], self._apply_s = self._apply_s, None
-        if self._collected is not None:
+        if self._snapshot is not None:
             start = time.perf_counter()
-            observers, loss = self._collected
-            self._collected = None
-            hyper = adam_statistics(run.optimizer, run.model, observers)
+            snapshot, consumed = self._snapshot
+            self._snapshot = None
+            a2, hyper = adam_squares(run.optimizer, run.model)
+            reduce_s = time.perf_counter() - start
+            with snapshot.swapped():
+                observers, loss = collect(args, run, consumed, self.candidates,
+                                          args.snip_noise, a2=a2)
+            del snapshot, a2
+            collect_s = time.perf_counter() - start - reduce_s
             stats = reduce_statistics(observers, args, self.candidates)
             step = state.iteration - 1
             self.pending = {"step": step, "apply": step + args.snip_apply_lag,
                             "stats": [s.__dict__ for s in stats], "loss": loss, "hyper": hyper}
             self._start_worker(args)
-            metrics.update(snip_refresh=step, snip_collect_s=self._collect_s,
-                           snip_reduce_s=time.perf_counter() - start)
+            metrics.update(snip_refresh=step, snip_collect_s=collect_s,
+                           snip_reduce_s=time.perf_counter() - start - collect_s)
         return metrics or None
 
     # -- worker (rank 0) -----------------------------------------------------------------
@@ -263,6 +275,17 @@ class SnipRun:
     def load_state_dict(self, state: dict) -> None:
         self.pending = state.get("pending")
         self._worker = None
+
+
+def _activations(args) -> float:
+    """The dry run's estimate of a step's peak activation bytes on this rank's stage."""
+    from megatron.core import parallel_state
+    from megatron_ext.training.dry_run import estimates
+
+    layout = estimates.Layout.from_args(args)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    return estimates.activation_bytes(stage, args.num_layers // layout.pp, args.hidden_size,
+                                      args.num_attention_heads, args.padded_vocab_size, layout)
 
 
 def _divergence_json(step, names, stats, q, table, policy) -> dict:

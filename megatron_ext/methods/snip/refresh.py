@@ -1,23 +1,29 @@
-"""One SNIP refresh on every rank: steps 1-3 on the next global batch, reduced statistics.
+"""One SNIP refresh on every rank: steps 1-3 on a global batch, reduced statistics.
 
-At refresh step ``s`` the next training batch (the one step ``s+1`` will train on) is run
-three times through megatron's own pipeline schedule with every site's observer attached
-(:mod:`megatron_ext.methods.snip.stats`), and no optimizer step:
+The refresh of step ``s`` observes the batch step ``s+1`` trains on, with the weights before
+that step, three times through megatron's own pipeline schedule with every site's observer
+attached (:mod:`megatron_ext.methods.snip.stats`), and no optimizer step:
 
 1. ``base``: unquantized forward/backward, every statistic, the baseline gradients;
 2. ``probe_backward``: the gradient of the last layer's output (the residual stream)
    replaced by noise;
 3. ``probe_forward``: noise added to the input of the last layer's ``fc2``.
 
-The gradient buffers are zeroed afterwards and the torch RNG state is restored, so the normal
-step that follows is exactly the step it would have been. After that step,
-:func:`adam_statistics` reads the AdamW state. :func:`reduce_statistics` then sums every
-rank's share with one all-reduce of ``sites x stats`` float64 scalars; every rank ends up with
-the same :class:`~megatron_ext.methods.snip.divergence.SiteStats` list, in global site order.
+The passes need AdamW's state *after* step ``s+1`` (``A²``, :mod:`.adam`) to weight the
+wgrad errors and probe gradients. Run before that step (as :mod:`.groundtruth` does), every
+one of those N x K tensors is kept until it (six per site, float64). In training they run
+**after** it instead, on the weights before it: :class:`WeightSnapshot` copies the weights
+before step ``s+1`` and swaps them in for the passes; ``A²`` (float32) is then known, so each
+site's tensors are weighted and freed in its own backward (bounded memory: ``docs/snip.md``).
+The gradient buffers are zeroed afterwards and the torch RNG state is restored, so training
+goes on exactly as it would have. :func:`reduce_statistics` then sums every rank's share
+with one all-reduce of ``sites x stats`` float64 scalars; every rank ends up with the same
+:class:`~megatron_ext.methods.snip.divergence.SiteStats` list, in global site order.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -80,11 +86,15 @@ def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
 
 
 def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: float,
-            dataset=None) -> tuple[dict[str, SiteObserver], float]:
+            dataset=None, a2: dict | None = None) -> tuple[dict[str, SiteObserver], float]:
     """Steps 1-3 on the batch at ``consumed_samples`` of ``dataset`` (default: training's)
     as observed passes through ``run.replay``, one isolated RNG stream for the three;
-    returns (observers, base loss)."""
+    returns (observers, base loss). With ``a2`` (:func:`adam_squares`) the A-weighted
+    statistics are complete and no N x K tensor outlives its site's backward."""
     observers = make_observers(run.model, candidates, args.num_layers, noise_scale)
+    for sid, obs in observers.items():
+        if a2 is not None and sid in a2:
+            obs.adam_weighted(a2.pop(sid))
     handles = _layer_hooks(run.model, observers)
     loss = float("nan")
     try:
@@ -102,6 +112,40 @@ def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: flo
         for handle in handles:
             handle.remove()
     return observers, loss
+
+
+def adam_squares(optimizer, model) -> tuple[dict, dict]:
+    """After the normal step: (``A²`` of every local site's weight in float32, the AdamW
+    hyper-parameters), for :func:`collect` run after the step."""
+    weights = {sid: m.weight for sid, m in quantized_linears(model).items()}
+    return adam_terms(optimizer, weights, torch.float32)
+
+
+class WeightSnapshot:
+    """A copy of every parameter of ``model`` (its own dtype, on its device), taken now;
+    :meth:`swapped` puts it in place for a block and the current values back after."""
+
+    def __init__(self, model):
+        self.params = [p for chunk in model for p in chunk.parameters()]
+        self.saved = [p.detach().clone() for p in self.params]
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.saved)
+
+    def _swap(self) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.params, self.saved):
+                current = p.detach().clone()
+                p.copy_(saved)
+                saved.copy_(current)
+
+    @contextmanager
+    def swapped(self):
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
 
 
 def adam_statistics(optimizer, model, observers: dict[str, SiteObserver]) -> dict:

@@ -153,12 +153,16 @@ class SiteObserver:
             self.stats[key] = {f: 0.0 for f in candidates[role]}
         self._dw = None
         self._g_base = None
+        """The base pass's DP-averaged dw in float32 (for step 3's ``dgF``; freed there)."""
         self._probe_dg: dict[str, torch.Tensor] = {}
         self._wgrad_error = {"WGdy": {f: 0.0 for f in candidates["dy"]},
                              "WGx": {f: 0.0 for f in candidates["x"]}}
         """Signed wgrad errors ``δ_f(dy)^T x`` and ``dy^T δ_f(x)`` (N x K, this rank's shard of
-        the weight) summed over the base pass, DP-averaged at its end."""
-        self._fwd_micro = self._bwd_micro = 0
+        the weight) summed over the base pass, DP-averaged when the site's pass is complete."""
+        self._a2 = None
+        """``A²`` of this site's weight once given (:meth:`adam_weighted`): from then on each
+        A-weighted error is weighted and freed as soon as it is complete."""
+        self._fwd_micro = self._bwd_micro = self._gemm_micro = 0
         self._norm_gain = None
         """κ_m² rows of the norm that just ran in front of this site (steps 1 and 2)."""
 
@@ -192,7 +196,7 @@ class SiteObserver:
     def begin_pass(self, mode: str, sample_offsets: list[int], micro_batch_size: int):
         self.mode, self.sample_offsets = mode, sample_offsets
         self.micro_batch_size = micro_batch_size
-        self._fwd_micro = self._bwd_micro = 0
+        self._fwd_micro = self._bwd_micro = self._gemm_micro = 0
         self._dw = None
 
     # module input: x rows and dx rows (ΔL from x)
@@ -240,41 +244,47 @@ class SiteObserver:
 
     # GEMM backward: dy-side statistics
     def gemm_backward(self, x2: torch.Tensor, dy2: torch.Tensor, w: torch.Tensor) -> None:
-        """One micro-batch's wgrad and dgrad statistics (``dy2`` as the schedule scales it)."""
-        x, dy, w = x2.detach().double(), dy2.detach().double() / self.dp, w.detach().double()
+        """One micro-batch's wgrad and dgrad statistics (``dy2`` as the schedule scales it).
+        Bounded memory: one M x N float64 tensor at a time (``dy``, then each error of it),
+        each error GEMM product squared as soon as it is made."""
+        x, w = x2.detach().double(), w.detach().double()
+        dy = dy2.detach().double().div_(self.dp)
         x_rows, dy_rows = _rows_sq(x), _rows_sq(dy)
         rep_dy = 1.0 if self.column else 1.0 / self.tp
         self._add("dydy", dy_rows, rep=rep_dy)
-        dgrad = []  # δ_f(dy)·w, then dy·δ_f(w): this micro-batch's dgrad errors (M x K)
-        for f in self.candidates["dy"]:
-            err = _error(dy2, f, -1, self.group).double() / self.dp
-            self._add("Bdy", _rows_sq(err), f, rep_dy)
-            dgrad.append(err @ w)
-            err = _error(dy2.t(), f, -1, self.group).t().double() / self.dp
-            self._add("Gdy", _rows_sq(err) * x_rows, f)
-            self._wgrad_error["WGdy"][f] = self._wgrad_error["WGdy"][f] + err.t() @ x
         for f in self.candidates["x"]:
             err = _error(x2.t(), f, -1, self.group).t().double()
             self._add("Gx", _rows_sq(err) * dy_rows, f)
             self._wgrad_error["WGx"][f] = self._wgrad_error["WGx"][f] + dy.t() @ err
-        for f in self.candidates["w"]:
-            dgrad.append(dy @ _error(w.t(), f, -1, self.group).t().double())
-        self._dgrad_errors(dgrad)
+            err = None
+        for f in self.candidates["w"]:  # dy·δ_f(w): this micro-batch's dgrad error (M x K)
+            self._dgrad_error("Bw", f, dy @ _error(w.t(), f, -1, self.group).t().double())
+        dy = None
+        for f in self.candidates["dy"]:  # δ_f(dy)·w
+            err = _error(dy2, f, -1, self.group).double().div_(self.dp)
+            self._add("Bdy", _rows_sq(err), f, rep_dy)
+            self._dgrad_error("Bdyw", f, err @ w)
+            err = None
+            err = _error(dy2.t(), f, -1, self.group).t().double().div_(self.dp)
+            self._add("Gdy", _rows_sq(err) * x_rows, f)
+            self._wgrad_error["WGdy"][f] = self._wgrad_error["WGdy"][f] + err.t() @ x
+            err = None
 
-    def _dgrad_errors(self, products: list[torch.Tensor]) -> None:
-        """``Bdyw``, ``Bw``: squared norms of the dgrad error products, completed over TP
+    def _dgrad_error(self, key: str, f: str, product: torch.Tensor) -> None:
+        """``Bdyw``, ``Bw``: the squared norm of a dgrad error product, completed over TP
         where ``dx`` is a partial sum (column-parallel: the sum over this rank's N columns);
         the complete product is then held by every TP rank."""
-        stacked = self._tp_complete(torch.stack(products), self.column)
-        rep = 1.0 / self.tp if self.column else 1.0
-        keys = [("Bdyw", f) for f in self.candidates["dy"]] + \
-            [("Bw", f) for f in self.candidates["w"]]
-        for (key, f), product in zip(keys, stacked):
-            self._add(key, product.square(), f, rep)
+        product = self._tp_complete(product, self.column)
+        self._add(key, product.square(), f, 1.0 / self.tp if self.column else 1.0)
 
-    def accumulate_dw(self, dw: torch.Tensor) -> None:
+    def accumulate_dw(self, dw: torch.Tensor, weight: torch.Tensor) -> None:
+        """Add one micro-batch's dw; after the pass's last micro-batch the site is complete
+        (:meth:`end_pass`, here, in its backward: its pass-long tensors go at once)."""
         dw = dw.detach().double()
         self._dw = dw if self._dw is None else self._dw + dw
+        self._gemm_micro += 1
+        if self._gemm_micro == len(self.sample_offsets):
+            self.end_pass(weight)
 
     # -- noise (steps 2, 3) -----------------------------------------------------------
     def noise_like(self, t: torch.Tensor, shard_dim: int | None, micro: int) -> torch.Tensor:
@@ -315,35 +325,49 @@ class SiteObserver:
 
     # -- end of a pass -------------------------------------------------------------------
     def end_pass(self, weight: torch.Tensor) -> None:
-        """DP-average this pass's dw; base: weight statistics; probes: ‖g - g_base‖²."""
+        """DP-average this pass's dw; base: weight statistics, the wgrad errors; probes:
+        ``Δg``. Runs once per pass, when the site's last micro-batch is through its backward
+        (again after the pass: nothing left to do)."""
         if self._dw is None:
             return
         if self.dp > 1:
             dist.all_reduce(self._dw, group=parallel_state.get_data_parallel_group())
         dw = self._dw / self.dp
+        self._dw = None
         if self.mode == BASE:
             self._weight_stats(weight.detach().double(), dw)
-            self._g_base = dw
+            self._g_base = dw.float()
             for error in (e for errors in self._wgrad_error.values() for e in errors.values()):
                 if self.dp > 1:  # the global-batch error: DP average (already divided by dp)
                     dist.all_reduce(error, group=parallel_state.get_data_parallel_group())
         else:
             backward = self.mode == PROBE_BACKWARD
             key = "dgB" if backward else "dgF"
-            self._probe_dg[key] = dw if backward else dw - self._g_base  # step 2: J^T ξ itself
+            self._probe_dg[key] = dw if backward else dw - self._g_base.double()  # step 2: J^T ξ
+            self._g_base = None if not backward else self._g_base
             self.stats[key] += float(self._probe_dg[key].square().sum()) / self.dp
-        self._dw = None
+        if self._a2 is not None:
+            self._weigh()
 
     def adam_weighted(self, a2: torch.Tensor) -> None:
         """The AdamW-weighted statistics, given ``A²`` of this site's local weight after the
-        step; both it and the DP-reduced wgrad errors are replicated over DP (counted once)."""
-        a2 = a2.double()
-        self.stats["AA"] += float(a2.sum()) / self.dp
+        step (float64, or float32 to hold less); both it and the DP-reduced wgrad errors are
+        replicated over DP (counted once). Given before the passes, each error is weighted as
+        soon as its site's pass is complete and never kept; given after, the kept ones now."""
+        self._a2 = a2
+        self.stats["AA"] += float(a2.double().sum()) / self.dp
+        self._weigh()
+
+    def _weigh(self) -> None:
+        """Add ‖A ⊙ e‖² of every complete error tensor and free it."""
         for key, errors in self._wgrad_error.items():
             for f, error in errors.items():
-                self.stats[key][f] += float((a2 * error.square()).sum()) / self.dp
+                if torch.is_tensor(error):
+                    self.stats[key][f] += float((self._a2 * error.square()).sum()) / self.dp
+                    errors[f] = 0.0
         for key, dg in self._probe_dg.items():
-            self.stats[key.replace("dg", "dgA")] += float((a2 * dg.square()).sum()) / self.dp
+            self.stats[key.replace("dg", "dgA")] += float((self._a2 * dg.square()).sum()) / self.dp
+        self._probe_dg = {}
 
     def _weight_stats(self, w: torch.Tensor, dw: torch.Tensor) -> None:
         partial = not self.column
@@ -396,7 +420,7 @@ class _ObservedGemm(torch.autograd.Function):
         dy2 = dy.contiguous().view(-1, dy.shape[-1])
         x2 = x.contiguous().view(-1, x.shape[-1])
         dw = dy2.t() @ x2
-        obs.accumulate_dw(dw)
         if obs.mode == BASE:
             obs.gemm_backward(x2, dy2, weight)
+        obs.accumulate_dw(dw, weight)  # the site may be complete after this
         return dx, dw, dy2.sum(0) if ctx.use_bias else None, None

@@ -46,10 +46,13 @@ def grid(tmp_path_factory):
     return config, root / "out", proc
 
 
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
+            if line]
+
+
 def final_val_loss(run_dir: Path) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
-               if line]
-    val = [r for r in records if "val_loss" in r]
+    val = [r for r in records(run_dir) if "val_loss" in r]
     assert max(r["step"] for r in val) == 3
     return [r for r in val if r["step"] == 3][-1]["val_loss"]
 
@@ -107,6 +110,14 @@ def test_statistics_equal_hand_computation(grid):
     assert results["runs"]["fp4"]["gemm_time_saving"] == pytest.approx(0.75)
     assert results["runs"]["fp32"]["fp4_flop_frac"] == 0.0
     assert results["runs"]["fp32"]["gemm_time_saving"] == 0.0
+    markdown = (out / "results.md").read_text()
+    for run in RUNS:  # peak memory: the largest logged mem_gib, per seed and over the seeds
+        peaks = [max(r["mem_gib"] for r in records(out / "runs" / run / f"seed_{s}")
+                     if "loss" in r) for s in SEEDS]
+        got = results["runs"][run]
+        assert [got["seeds"][str(s)]["mem_gib"] for s in SEEDS] == peaks
+        assert got["mem_gib"] == max(peaks) > 0.1
+        assert f"| {max(peaks):.2f} |" in markdown
 
 
 def test_dry_run_lists_jobs_and_writes_nothing(grid, tmp_path, capsys):

@@ -1,0 +1,121 @@
+"""What a SNIP refresh holds beyond a normal step, per rank, and whether it fits.
+
+A refresh (:mod:`.refresh`) runs its three observed passes after step ``s+1`` on the weights
+before it, with AdamW's ``A²`` known, so per rank it holds, beyond what a step holds:
+
+* ``snapshot``: a copy of every local parameter in the model's dtype, from before step
+  ``s+1`` until the passes end;
+* ``adam``: ``A²`` of every local site weight, FP32;
+* ``base_grad``: the base pass's DP-averaged ``dw`` of every site, FP32, until step 3;
+* ``accumulators``: float64 sums over a pass's micro-batches (``dw`` and one signed wgrad
+  error per ``x`` and ``dy`` candidate): with one micro-batch per step only the site in
+  its backward holds them; with several, every site holds them for the whole pass;
+* ``transient``: the largest site's float64 work in its backward (three M x N tensors:
+  ``dy`` or one error of it and its square; two M x K; the quantizer's two M x N FP32).
+
+The dry run shows the total per pipeline stage as its ``extra`` memory; training compares it
+with the memory free after start-up (:func:`check_fits`) before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ext.errors import UsageError
+from megatron_ext.precision.cost import ModelShape
+from megatron_ext.sites import SITES
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class RefreshMemory:
+    """Bytes one rank holds for a refresh beyond a normal step (module docstring)."""
+
+    snapshot: int
+    """The local parameters before step ``s+1``, model dtype."""
+    adam: int
+    """``A²`` of the local site weights, FP32."""
+    base_grad: int
+    """The base pass's ``dw`` of the local sites, FP32."""
+    accumulators: int
+    """Float64 sums over micro-batches: every site's (several micro-batches) or one site's."""
+    transient: int
+    """The largest site's float64 work in its backward."""
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+
+def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], tokens: int,
+                   micro_batches: int, sums_per_site: int) -> RefreshMemory:
+    """The refresh's memory of a rank holding ``params`` parameters of ``param_bytes`` each and
+    site weights of local shapes ``sites`` (N, K), ``tokens`` rows per micro-batch, with
+    ``sums_per_site`` float64 N x K sums (1 + the x and dy candidates)."""
+    weights = sum(n * k for n, k in sites)
+    largest = max((n * k for n, k in sites), default=0)
+    m_n = max((tokens * max(n, k) for n, k in sites), default=0)
+    m_k = max((tokens * k for _, k in sites), default=0)
+    held = weights if micro_batches > 1 else largest
+    return RefreshMemory(params * param_bytes, 4 * weights, 4 * weights,
+                         8 * sums_per_site * held, 8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n)
+
+
+def local_sites(shape: ModelShape, layers, tp: int) -> list[tuple[int, int]]:
+    """(N, K) of each site weight of ``layers`` one TP rank holds (qkv, fc1 split along N;
+    proj, fc2 along K)."""
+    out = []
+    for _ in layers:
+        for site in SITES:
+            n, k = shape.site_nk(site)
+            out.append((n // tp, k) if site in ("qkv", "fc1") else (n, k // tp))
+    return out
+
+
+def sums_per_site(candidates: dict) -> int:
+    """Float64 N x K sums a site keeps over a pass: ``dw`` and the wgrad errors."""
+    return 1 + len(candidates["x"]) + len(candidates["dy"])
+
+
+def of_run(args, model, candidates: dict) -> RefreshMemory:
+    """This rank's refresh memory in a built run."""
+    from megatron_ext.precision.layers import quantized_linears
+    params = [p for chunk in model for p in chunk.parameters()]
+    sites = [tuple(m.weight.shape) for m in quantized_linears(model).values()]
+    return refresh_memory(sum(p.numel() for p in params),
+                          params[0].element_size() if params else 4, sites,
+                          args.seq_length * args.micro_batch_size, args.num_microbatches,
+                          sums_per_site(candidates))
+
+
+def available_bytes() -> int | None:
+    """Memory free now: the GPU's (CUDA), else the machine's ``MemAvailable``; None if
+    unknown."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(need: RefreshMemory, activations: float) -> None:
+    """``UsageError`` when a refresh plus a step's activations exceed the free memory."""
+    free = available_bytes()
+    if free is not None and need.total + activations > free:
+        raise UsageError(
+            f"a SNIP refresh needs {need.total / GIB:.2f} GiB per rank beyond a step "
+            f"(snapshot {need.snapshot / GIB:.2f}, A² {need.adam / GIB:.2f}, dw "
+            f"{need.base_grad / GIB:.2f}, float64 sums {need.accumulators / GIB:.2f}, "
+            f"largest site {need.transient / GIB:.2f}); with a step's activations "
+            f"(~{activations / GIB:.2f} GiB) that is more than the {free / GIB:.2f} GiB free: "
+            f"use fewer micro-batches per step (larger --micro-batch-size) or more "
+            f"model parallelism")
