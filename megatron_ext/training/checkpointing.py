@@ -44,7 +44,7 @@ from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_opt
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
 from megatron_ext.training.optimizer import allocate_adam_state, restore_adam_step
-from megatron_ext.training.schedule_resume import restore, saved_state
+from megatron_ext.training.schedule_resume import group_schedule, restore, saved_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -184,9 +184,11 @@ class Checkpointer:
             module.load_state_dict(local_shards_as_dtensors(module, loaded["model"][f"chunk{i}"]))
         if weights_only:
             return TrainState()
+        flag_groups = group_schedule(self.optimizer)  # before the checkpoint's replace them
         load_optimizer_state(self.optimizer, loaded["optimizer"])
         restore_adam_step(self.optimizer)
-        schedule = restore(self.scheduler, common["scheduler"])  # UsageError on a mismatch
+        # UsageError on a mismatch
+        schedule = restore(self.scheduler, common["scheduler"], flag_groups)
         if dist.get_rank() == 0:
             print(schedule, flush=True)
         if same_layout:
