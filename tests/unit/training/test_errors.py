@@ -56,6 +56,22 @@ CASES = {
     "distributed timeout not positive": (["--distributed-timeout-minutes", "0"], 1,
                                          "--distributed-timeout-minutes must be positive"),
     "openai gelu with swiglu": (["--openai-gelu"], 1, "--openai-gelu selects the GeLU"),
+    # operations round 2 (issue 25)
+    "infinite lr": (["--lr", "inf"], 1, "argument --lr: must be a finite number, not 'inf'"),
+    "nan min lr": (["--min-lr", "nan"], 1, "argument --min-lr: must be a finite number"),
+    "infinite extension flag": (["--snip-budget", "inf"], 1, "argument --snip-budget: must be "
+                                                              "a finite number"),
+    "negative lr in exponent form": (["--lr", "-1e-3"], 1, "--lr and --min-lr must be >= 0"),
+    "unknown flag": (["--bogus"], 1, "unrecognized arguments: --bogus"),
+    "heads vs the preset's query groups": (["--num-attention-heads", "3"], 1,
+                                           "--num-query-groups 2 (the --model tiny preset's) "
+                                           "does not divide --num-attention-heads 3"),
+    "global batch zero": (["--global-batch-size", "0"], 1, "--global-batch-size must be positive"),
+    "split not numbers": (["--split", "abc"], 1, "--split 'abc': expected train,valid,test"),
+    "split without train": (["--split", "0,1,0"], 1, "--split '0,1,0': expected"),
+    "split of four": (["--split", "1,1,1,1"], 1, "--split '1,1,1,1': expected"),
+    "exit interval zero": (["--exit-interval", "0"], 1, "--exit-interval must be positive"),
+    "save interval zero": (["--save-interval", "0"], 1, "--save-interval must be positive"),
 }
 
 
@@ -63,7 +79,45 @@ CASES = {
 def test_bad_flags(name):
     args, world_size, fragment = CASES[name]
     with pytest.raises(UsageError, match=re.escape(fragment)):
-        parse_args("llama", args, world_size=world_size)
+        parse_args("llama", args, _all_flags(), world_size=world_size)
+
+
+def _all_flags():
+    """The entry point's flags: the trainer's, the dry run's and every extension's."""
+    from megatron_ext.defaults import default_extensions
+    from megatron_ext.extension import args_provider
+    from megatron_ext.training import dry_run
+    return dry_run.args_provider(args_provider(default_extensions()))
+
+
+def test_flags_accept_negative_numbers_in_exponent_form():
+    args = parse_args("llama", ["--adam-eps", "1e-8", "--init-method-std", "2e-2"],
+                      world_size=1)
+    assert args.adam_eps == 1e-8
+    with pytest.raises(UsageError, match="--clip-grad and --weight-decay >= 0"):
+        parse_args("llama", ["--weight-decay", "-1e-2"], world_size=1)  # a value, not a flag
+
+
+START_UP_CASES = {  # refused by pretrain() before any process group or file is made
+    "dry-run json under a file": (["--dry-run", "--dry-run-json", "{file}/r.json"],
+                                  "--dry-run-json: cannot write"),
+    "data cache under a file": (["--mock-data", "--data-cache-path", "{file}/cache"],
+                                "--data-cache-path: cannot write '{file}/cache'"),
+}
+
+
+@pytest.mark.parametrize("name", list(START_UP_CASES))
+def test_bad_outputs_refused_at_start_up(name, tmp_path):
+    from megatron_ext.defaults import default_extensions
+    from megatron_ext.training.pretrain import pretrain
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    args, fragment = START_UP_CASES[name]
+    argv = [a.format(file=afile) for a in args] + ["--run-dir", str(tmp_path / "run")]
+    with pytest.raises(UsageError, match=re.escape(fragment.format(file=afile))):
+        pretrain("llama", argv, default_extensions())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 def test_cli_bad_flag_is_one_line_and_exit_2(tmp_path):
@@ -73,6 +127,9 @@ def test_cli_bad_flag_is_one_line_and_exit_2(tmp_path):
     proc = _run(["--pipeline-model-parallel-size", "3"], env, tmp_path)
     _assert_one_line_error(proc, "PP=3 does not divide --num-layers 4")
     assert not (tmp_path / "run").exists()  # nothing half-written
+    proc = _run(["--lr", "inf", "--bogus"], tmp_path=tmp_path)  # argparse's own errors
+    _assert_one_line_error(proc, "error: argument --lr: must be a finite number, not 'inf'")
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # no usage text
 
 
 def test_data_path_without_tokenizer(tmp_path):
