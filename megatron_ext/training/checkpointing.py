@@ -103,6 +103,18 @@ def locate_checkpoint(path: str) -> str:
     return path
 
 
+def resume_in_place(load: str | None, finetune: bool) -> tuple[str | None, str | None]:
+    """Where a resume writes by default, as Megatron-LM users expect of ``--save`` =
+    ``--load``: ``--load ROOT`` (a save root: go on from its latest checkpoint) saves into ROOT
+    and logs into the run folder above it (the one with ``args.json``: ``runs/<ts>``).
+    ``(run_dir or None, save root or None)``; (None, None) for one ``iter_*`` folder (a branch
+    from an older checkpoint), ``--finetune`` or no ``--load``."""
+    if not load or finetune or not os.path.isfile(os.path.join(load, TRACKER)):
+        return None, None
+    parent = os.path.dirname(os.path.abspath(load))
+    return (parent if os.path.isfile(os.path.join(parent, "args.json")) else None), load
+
+
 def resolve_checkpoint_dir(path: str, unverified: bool = False) -> str:
     """``--load`` accepts a save root (uses its latest pointer) or one iteration directory.
     The directory is verified before anything reads it: checksums (a checkpoint without them
@@ -160,14 +172,17 @@ class Checkpointer:
                      extra={name: p.state_dict() for name, p in self.extra.items()})
         return atomic_save(state, self.save_dir, train_state.iteration, self.retain)
 
-    def load(self, path: str, finetune: bool = False, unverified: bool = False) -> TrainState:
+    def load(self, path: str, finetune: bool = False, unverified: bool = False,
+             train_iters: int | None = None) -> TrainState:
         """Restore from ``path``. The RNG only if the rank layout is unchanged; only the model
         weights (and a fresh TrainState) with ``finetune`` or from a weights-only checkpoint;
-        a checkpoint without checksums only with ``unverified``."""
+        a checkpoint without checksums only with ``unverified``; ``UsageError`` if it is past
+        ``train_iters`` (before its schedule is compared with the flags')."""
         path = resolve_checkpoint_dir(path, unverified)
         try:
             common = dist_checkpointing.load_common_state_dict(path)
             weights_only = finetune or common.get("weights_only", False)
+            _check_not_past(common, weights_only, train_iters, path)
             same_layout = common.get("layout") == _layout()
             if not weights_only:
                 allocate_adam_state(self.optimizer)
@@ -197,6 +212,16 @@ class Checkpointer:
             if name in common.get("extra", {}):
                 provider.load_state_dict(common["extra"][name])
         return TrainState(common["iteration"], common["consumed_samples"])
+
+
+def _check_not_past(common: dict, weights_only: bool, train_iters: int | None,
+                    path: str) -> None:
+    """A checkpoint already past ``--train-iters`` leaves nothing to train: say so."""
+    done = common.get("iteration", 0)
+    if not weights_only and train_iters is not None and done > train_iters:
+        raise UsageError(f"--load: already at step {done} ('{path}'), past --train-iters "
+                         f"{train_iters}: nothing to train (pass --train-iters > {done} to go "
+                         "on)")
 
 
 def _first_line(exc: BaseException) -> str:

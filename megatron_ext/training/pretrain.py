@@ -89,7 +89,7 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     for hook in ext.hooks(extensions, "after_setup"):
         hook(args, run, run.state)
     if args.load:
-        run.state = ckpt.load(args.load, args.finetune, args.load_unverified)
+        run.state = ckpt.load(args.load, args.finetune, args.load_unverified, args.train_iters)
     return run
 
 
@@ -122,7 +122,8 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     logger = None
     if dist.get_rank() == 0:
         _write_args(args)
-        logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir)
+        logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir,
+                               run.state.iteration if args.load else None)
         _announce(family, args, run)
     try:
         return train(args, run, logger, extensions)
@@ -143,6 +144,11 @@ def main(family: str, extensions: list[ext.Extension] = ()) -> int:
         if resolve_launch().rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, the shell's status for SIGINT
+        if resolve_launch().rank == 0:
+            print(f"interrupted (Ctrl-C){f': {exc}' if str(exc) else ''}", file=sys.stderr,
+                  flush=True)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -129,3 +129,29 @@ def test_load_into_other_vocabulary_is_refused(tmp_path, full_run):
                   check=False)
     assert proc.returncode == 2
     assert "error: --load: 'embedding.word_embeddings.weight' has shape (384, 128)" in proc.stderr
+
+
+def test_resume_goes_on_in_place_and_logs_the_last_step(tmp_path):
+    """``--load RUN/checkpoints`` alone continues in RUN (metrics, checkpoints), as Megatron-LM's
+    --save = --load; the last step is logged whatever --log-interval; a finished run says so."""
+    import json
+
+    from pretrain_runner import read_metrics
+
+    run = tmp_path / "run"
+    flags = [*FAST_ARGS, "--train-iters", "6", "--log-interval", "4"]
+    launch([*flags, "--exit-interval", "3", "--run-dir", str(run)])  # saves step 3, stops
+    with open(run / "metrics.jsonl", "a") as f:  # as if it had logged step 5 before dying
+        f.write(json.dumps({"step": 5, "loss": -1.0}) + "\n")
+    proc = launch([*flags, "--load", str(run / "checkpoints")])
+    assert f"run dir {run}" in proc.stdout
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 3, 4, 6]
+    assert latest_iteration(run / "checkpoints") == 6
+    proc = launch([*flags, "--load", str(run / "checkpoints")])
+    assert "already at step 6 of --train-iters 6: nothing to train" in proc.stdout
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 3, 4, 6]
+    proc = launch([*flags[:-4], "--train-iters", "5", "--load", str(run / "checkpoints")],
+                  check=False)
+    assert proc.returncode == 2
+    assert "error: --load: already at step 6" in proc.stderr
+    assert "past --train-iters 5: nothing to train" in proc.stderr
