@@ -173,3 +173,56 @@ def test_transformer_engine_impl_needs_te_and_gpu():
     assert resolve_transformer_impl("auto", custom_linears=False) == "local"
     with pytest.raises(UsageError, match="needs transformer_engine installed and a CUDA GPU"):
         resolve_transformer_impl("transformer_engine", custom_linears=False)
+
+
+def _two_short_documents(folder):
+    """Two documents of a few bytes, preprocessed as the README says (byte tokenizer, EOD)."""
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+
+    folder.mkdir()
+    (folder / "two.jsonl").write_text('{"text": "hello world"}\n{"text": "second doc"}\n')
+    return preprocess(PreprocessConfig(input=str(folder / "two.jsonl"),
+                                       output_prefix=str(folder / "two"), append_eod=True),
+                      log=None).prefixes["text"]
+
+
+def test_dataset_too_small_for_its_split_is_one_line_not_a_hang(tmp_path):
+    prefix = _two_short_documents(tmp_path / "data")
+    proc = _run(["--data-path", prefix, "--tokenizer-model", "byte", "--train-iters", "2"],
+                tmp_path=tmp_path)  # megatron-core looped forever here (timeout: 180 s)
+    _assert_one_line_error(proc, f"--data-path {prefix}: --split 969,30,1 gives the validation "
+                                 "split none of its 2 documents; it needs 17 or more")
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        "two.jsonl", "two_text_document.bin", "two_text_document.idx"]  # no index cache left
+
+
+def _data_args(tmp_path, *flags):
+    return parse_args("llama", [*flags, "--split", "1,0,0", "--eval-iters", "0",
+                                "--run-dir", str(tmp_path / "run")], world_size=1)
+
+
+def test_tokenizer_file_that_is_not_a_tokenizer_json(tmp_path):
+    from megatron_ext.training.data import build_data
+
+    prefix = _two_short_documents(tmp_path / "data")
+    (tmp_path / "tok.json").write_text("not json at all")
+    with pytest.raises(UsageError, match=r"^--tokenizer-model: '.*tok.json' is not a "
+                                         r"tokenizers tokenizer.json \(.+\)$"):
+        build_data(_data_args(tmp_path, "--data-path", prefix, "--tokenizer-model",
+                              str(tmp_path / "tok.json")))
+
+
+def test_data_of_a_larger_vocabulary_than_the_tokenizer(tmp_path):
+    import tokenizers
+    from tokenizers.models import WordLevel
+
+    from megatron_ext.training.data import build_data
+
+    prefix = _two_short_documents(tmp_path / "data")  # byte ids up to 256 (EOD)
+    small = tokenizers.Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1, "<unk>": 2},
+                                           unk_token="<unk>"))
+    small.save(str(tmp_path / "small.json"))
+    with pytest.raises(UsageError, match=r"holds token id 256, but the tokenizer '.*small.json' "
+                                         r"has 3 ids: the data was tokenized with another"):
+        build_data(_data_args(tmp_path, "--data-path", prefix, "--tokenizer-model",
+                              str(tmp_path / "small.json")))
