@@ -178,6 +178,10 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="save every N iterations (a final checkpoint is always written)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving a checkpoint) once the iteration is a multiple of N")
+    g.add_argument("--check-flags", action="store_true",
+                   help="check every flag (the trainer's and each method's) and the output "
+                        "folders, print 'flags ok' and exit: starts nothing "
+                        "(tools/compare_precision.py checks each run so before training any)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

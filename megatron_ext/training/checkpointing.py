@@ -23,9 +23,11 @@ at the same layout), and whatever later features :meth:`Checkpointer.register`.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -269,13 +271,14 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}")
     rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    dist_checkpointing.save(state, tmp)
-    dist.barrier()
-    write_manifest(tmp)  # sha256 of every file, verified on load
+    with _failed_save_removed(tmp, rank0, iteration):
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        dist_checkpointing.save(state, tmp)
+        dist.barrier()
+        write_manifest(tmp)  # sha256 of every file, verified on load
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -290,6 +293,59 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
             prune_checkpoints(save_dir, iteration, retain)
     dist.barrier()
     return final
+
+
+DISK_FULL_BYTES = 1 << 20
+"""Less free space than this where a save failed means the disk filled up: torch's zip writer
+reports a full disk as ``unexpected pos`` (no errno), so the free space is the evidence."""
+
+
+def _no_space(exc: BaseException, path: str) -> bool:
+    """Whether ``exc`` (or what it wraps: a cause, a failed writer, a rank's failure inside
+    torch's ``CheckpointException``) is a full disk, or ``path``'s file system is full now."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():
+            todo += [f for f in (failure if isinstance(failure, tuple) else (failure,))
+                     if isinstance(f, BaseException)]
+    try:
+        return shutil.disk_usage(path).free < DISK_FULL_BYTES
+    except OSError:
+        return False
+
+
+@contextmanager
+def _failed_save_removed(tmp: str, rank0: bool, iteration: int):
+    """A save that fails (disk full, I/O error) leaves no temporary folder and says so in one
+    line naming the folder (``UsageError``); the previous checkpoint and pointer are intact."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        full = _no_space(exc, os.path.dirname(os.path.abspath(tmp)))
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = "no space left on device" if full else _first_line(exc)
+        save_dir = os.path.dirname(tmp) or "."
+        kept = latest_saved(save_dir)
+        kept = f"checkpoint {kept} is intact" if kept else "no earlier checkpoint"
+        raise UsageError(f"cannot save the checkpoint of step {iteration} to '{save_dir}': "
+                         f"{reason} (its temporary folder was removed; {kept})") from exc
+
+
+def latest_saved(save_dir: str) -> int | None:
+    """The iteration ``save_dir``'s latest pointer names, or None (none, or unreadable)."""
+    try:
+        with open(os.path.join(save_dir, TRACKER), encoding="utf-8") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def prune_checkpoints(save_dir: str, newest: int, retain: int) -> list[int]:

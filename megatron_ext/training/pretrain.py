@@ -104,7 +104,7 @@ def _announce(family: str, args, run: TrainingRun) -> None:
 
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState (with
-    ``--dry-run``: the DryRunReport, and nothing is started)."""
+    ``--dry-run``: the DryRunReport; with ``--check-flags``: None; nothing is started)."""
     from megatron_ext.training.loop import train
     from megatron_ext.training.metrics import MetricsLogger
 
@@ -117,6 +117,9 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     if simulated:
         return dry_run.run(args, simulated, extensions)
     check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
+    if args.check_flags:
+        print("flags ok", flush=True)
+        return None
     child_processes.install(bool(args.save))  # checkpoint helpers die with this process
     run = setup(args, extensions)
     logger = None

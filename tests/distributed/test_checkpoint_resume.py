@@ -107,6 +107,42 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
     assert latest_iteration(save) == 12 and not (save / ".tmp_iter_0000008").exists()
 
 
+DISK_FULL_ON_SECOND_SAVE = """
+import errno, functools, os, sys
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+real_write = filesystem_async._write_item
+@functools.wraps(real_write)  # megatron inspects its signature
+def full_disk_write(*args, **kwargs):
+    stream = next(a for a in args if hasattr(a, "write"))
+    if "_iter_0000008" in stream.name:  # the writer process of the second save
+        stream.write(b"part of a shard")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)
+    return real_write(*args, **kwargs)
+if __name__ == "__main__":  # dist_checkpointing spawns workers that re-import this file
+    filesystem_async._write_item = full_disk_write
+    from megatron_ext.training.pretrain import main
+    sys.exit(main("llama"))
+"""
+
+
+def test_disk_full_while_saving_is_one_line_and_leaves_nothing(tmp_path, uninterrupted):
+    script = tmp_path / "disk_full_on_second_save.py"
+    script.write_text(DISK_FULL_ON_SECOND_SAVE)
+    save = tmp_path / "full-disk-ckpt"
+    proc = launch([*FAST_ARGS, *TRAIN, "--run-dir", str(tmp_path / "run"), "--save", str(save)],
+                  script=str(script), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: cannot save the checkpoint of step 8 to '{save}': no space left on device (its "
+        "temporary folder was removed; checkpoint 4 is intact)"]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000004",
+                                                      "latest_checkpointed_iteration.txt"]
+    launch([*FAST_ARGS, *TRAIN, "--run-dir", str(tmp_path / "after"), "--no-save",
+            "--load", str(save)])
+    assert train_losses(tmp_path / "after") == {s: uninterrupted[s] for s in range(5, 13)}
+
+
 def test_finetune_takes_weights_only(tmp_path):
     from pretrain_runner import read_metrics
 
