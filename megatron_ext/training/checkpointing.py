@@ -309,7 +309,8 @@ def _no_space(exc: BaseException, path: str) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC \
+                or os.strerror(errno.ENOSPC) in str(e):  # a writer's error, pickled as text
             return True
         todo += [e.__cause__, e.__context__]
         for failure in (getattr(e, "failures", None) or {}).values():

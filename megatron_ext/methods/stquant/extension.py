@@ -55,8 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optimizer memory (default: --stquant-fixed-bits if given, else 8)")
 
 
+def _flags_given(args: argparse.Namespace) -> list[str]:
+    """The ``--stquant-*`` flags whose value is not their default."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    return [f"--{name.replace('_', '-')}" for name, value in defaults.items()
+            if name.startswith("stquant_") and getattr(args, name) != value]
+
+
 def validate(args: argparse.Namespace) -> None:
     if args.optimizer != "stquant-adamw":
+        given = _flags_given(args)
+        if given:  # they would silently do nothing
+            raise UsageError(f"{', '.join(given)} need(s) --optimizer stquant-adamw")
         return
     block = args.stquant_block_size
     if block < 2 or block % 2:

@@ -72,6 +72,13 @@ CASES = {
     "split of four": (["--split", "1,1,1,1"], 1, "--split '1,1,1,1': expected"),
     "exit interval zero": (["--exit-interval", "0"], 1, "--exit-interval must be positive"),
     "save interval zero": (["--save-interval", "0"], 1, "--save-interval must be positive"),
+    "stquant flag without its optimizer": (["--stquant-fixed-bits", "4"], 1,
+                                           "--stquant-fixed-bits need(s) --optimizer "
+                                           "stquant-adamw"),
+    "keep more bf16 layers than the model has": (["--precision", "uniform:fp4",
+                                                  "--keep-first-last-layers-bf16", "10"], 1,
+                                                 "--keep-first-last-layers-bf16 10: the model "
+                                                 "has 4 layers"),
 }
 
 
@@ -79,15 +86,21 @@ CASES = {
 def test_bad_flags(name):
     args, world_size, fragment = CASES[name]
     with pytest.raises(UsageError, match=re.escape(fragment)):
-        parse_args("llama", args, _all_flags(), world_size=world_size)
+        _validated(args, world_size)
 
 
-def _all_flags():
-    """The entry point's flags: the trainer's, the dry run's and every extension's."""
+def _validated(argv, world_size):
+    """What pretrain_llama.py checks before any work: the trainer's, the dry run's and every
+    extension's flags, parsed, then each extension's ``validate``."""
     from megatron_ext.defaults import default_extensions
-    from megatron_ext.extension import args_provider
+    from megatron_ext.extension import args_provider, hooks
     from megatron_ext.training import dry_run
-    return dry_run.args_provider(args_provider(default_extensions()))
+
+    extensions = default_extensions()
+    args = parse_args("llama", argv, dry_run.args_provider(args_provider(extensions)),
+                      world_size=world_size)
+    for validate in hooks(extensions, "validate"):
+        validate(args)
 
 
 def test_flags_accept_negative_numbers_in_exponent_form():

@@ -57,6 +57,8 @@ def test_a_full_disk_is_recognised_however_it_is_reported(tmp_path, monkeypatch)
     wrapped = RuntimeError("Worker failure: ...")
     wrapped.__cause__ = enospc
     assert checkpointing._no_space(CheckpointException("save", {0: wrapped}), str(tmp_path))
+    pickled = RuntimeError("Worker failure: [Errno 28] No space left on device: 'x.distcp'")
+    assert checkpointing._no_space(CheckpointException("save", {0: (pickled, None)}), "/")
     # torch's zip writer: "unexpected pos", no errno; the free space tells
     zip_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
     assert not checkpointing._no_space(zip_error, str(tmp_path))
