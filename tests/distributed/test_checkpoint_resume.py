@@ -71,8 +71,17 @@ def test_distributed_optimizer_resumes_exactly_at_the_same_and_another_dp_size(t
                 "--load", str(tmp_path / "full-ckpt" / "iter_0000002")], nproc=nproc)
         assert train_losses(tmp_path / name) == {3: full[3], 4: full[4]}, name
 
-CRASH_ON_SECOND_SAVE = """
-import os, sys
+PATCHED_ENTRY = """
+import errno, functools, os, sys
+{definitions}
+if __name__ == "__main__":  # dist_checkpointing spawns workers that re-import this file
+    {patch}
+    from megatron_ext.training.pretrain import main
+    sys.exit(main("llama"))
+"""
+"""pretrain_llama.py with one of megatron's checkpoint-writing functions replaced."""
+
+CRASH_ON_SECOND_SAVE = PATCHED_ENTRY.format(definitions="""
 from megatron.core import dist_checkpointing
 real_save = dist_checkpointing.save
 calls = []
@@ -81,12 +90,7 @@ def crashing_save(state, path, *args, **kwargs):
     if len(calls) == 2:
         open(os.path.join(path, "__0_0.distcp"), "wb").write(b"half a shard")
         os._exit(17)  # dies mid-save, like a node failure
-    return real_save(state, path, *args, **kwargs)
-if __name__ == "__main__":  # dist_checkpointing spawns workers that re-import this file
-    dist_checkpointing.save = crashing_save
-    from megatron_ext.training.pretrain import main
-    sys.exit(main("llama"))
-"""
+    return real_save(state, path, *args, **kwargs)""", patch="dist_checkpointing.save = crashing_save")
 
 
 def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
@@ -107,8 +111,7 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
     assert latest_iteration(save) == 12 and not (save / ".tmp_iter_0000008").exists()
 
 
-DISK_FULL_ON_SECOND_SAVE = """
-import errno, functools, os, sys
+DISK_FULL_ON_SECOND_SAVE = PATCHED_ENTRY.format(definitions="""
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 real_write = filesystem_async._write_item
 @functools.wraps(real_write)  # megatron inspects its signature
@@ -117,12 +120,7 @@ def full_disk_write(*args, **kwargs):
     if "_iter_0000008" in stream.name:  # the writer process of the second save
         stream.write(b"part of a shard")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)
-    return real_write(*args, **kwargs)
-if __name__ == "__main__":  # dist_checkpointing spawns workers that re-import this file
-    filesystem_async._write_item = full_disk_write
-    from megatron_ext.training.pretrain import main
-    sys.exit(main("llama"))
-"""
+    return real_write(*args, **kwargs)""", patch="filesystem_async._write_item = full_disk_write")
 
 
 def test_disk_full_while_saving_is_one_line_and_leaves_nothing(tmp_path, uninterrupted):
