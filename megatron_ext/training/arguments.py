@@ -228,8 +228,10 @@ def parse_args(family: str, argv: Iterable[str] | None = None,
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available()
     validate_args(args)
-    from megatron_ext.training.checkpointing import resume_in_place
-    run_dir, save = resume_in_place(args.load, args.finetune)  # a resume goes on in place
+    run_dir = save = None
+    if args.load:  # a resume goes on in place
+        from megatron_ext.training.checkpointing import resume_in_place
+        run_dir, save = resume_in_place(args.load, args.finetune)
     if args.run_dir is None:
         args.run_dir = run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if args.save is None and not args.no_save:
