@@ -20,7 +20,7 @@ from megatron_ext.compare import figures, report
 from megatron_ext.compare.grid import build_grid, load_config, resolve_entry
 from megatron_ext.compare.jobs import Job, is_finished, make_jobs, read_metrics
 from megatron_ext.compare.results import collect
-from megatron_ext.compare.runner import run_jobs
+from megatron_ext.compare.runner import check_flags, run_jobs
 from megatron_ext.errors import OneLineParser, UsageError, run_cli
 from megatron_ext.io import write_text_atomic
 
@@ -105,6 +105,10 @@ def _run(argv: list[str]) -> None:
     if args.dry_run:
         dry_run(jobs)
         return
+    refused = check_flags([job for job in jobs if not is_finished(job)], args.jobs)
+    if refused:  # before any run trains: a typo in one must not cost the others' hours
+        more = f" (and {len(refused) - 1} more run(s))" if len(refused) > 1 else ""
+        raise UsageError(refused[0] + more)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*(out / name for name in RESULTS), *(out / "img").glob("*.png")]:
         stale.unlink(missing_ok=True)

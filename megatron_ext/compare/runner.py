@@ -70,6 +70,26 @@ def train(job: Job) -> str | None:
     return None
 
 
+def check_flags(jobs: list[Job], parallel: int) -> list[str]:
+    """Each run's command (one job per run: its seeds differ only in ``--seed``) through its
+    own entry point with ``--check-flags`` (every flag parsed and validated, nothing
+    started), ``parallel`` at a time; one ``run NAME: why`` line per run refused."""
+    firsts = list({job.run.name: job for job in reversed(jobs)}.values())[::-1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+    def one(job: Job) -> str | None:
+        proc = subprocess.run([sys.executable, *job.argv, "--check-flags"], env=env,
+                              capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            return None
+        errors = [line.removeprefix("error: ") for line in proc.stderr.splitlines()
+                  if line.startswith("error: ")]
+        return f"run {job.run.name}: {errors[-1] if errors else f'exit status {proc.returncode}'}"
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return [error for error in pool.map(one, firsts) if error]
+
+
 def run_jobs(jobs: list[Job], parallel: int) -> list[str]:
     """Train every job not finished yet, ``parallel`` at a time; returns one line per
     failed job (empty: all finished)."""

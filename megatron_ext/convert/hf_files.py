@@ -142,7 +142,9 @@ class HFShardWriter:
         return os.path.join(self.out_dir, f".part-{index}.safetensors")
 
     def _flush(self) -> None:
-        save_file(self.pending, self._part(len(self.shards)), metadata={"format": "pt"})
+        part = self._part(len(self.shards))
+        save_file(self.pending, part, metadata={"format": "pt"})
+        os.chmod(part, 0o644)  # safetensors creates it 0600; readable by all, like config.json
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 

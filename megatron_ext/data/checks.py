@@ -28,6 +28,8 @@ import os
 import struct
 
 import numpy
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix, parse_and_normalize_split)
 from megatron.core.datasets.indexed_dataset import DType, get_bin_path, get_idx_path
 
 _MAGIC = b"MMIDIDX\x00\x00"
@@ -59,8 +61,8 @@ def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
     return list(items[1::2]), weights
 
 
-def _read_header(idx: str, size: int) -> tuple[int, int, int]:
-    """(itemsize, S, D) of ``idx``; ``ValueError`` naming it if the header is not a valid one."""
+def _read_header(idx: str, size: int) -> tuple[numpy.dtype, int, int]:
+    """(token dtype, S, D) of ``idx``; ``ValueError`` naming it if the header is not valid."""
     with open(idx, "rb") as f:
         raw = f.read(_HEADER.size)
     if len(raw) < _HEADER.size:
@@ -73,7 +75,7 @@ def _read_header(idx: str, size: int) -> tuple[int, int, int]:
         dtype = DType.dtype_from_code(code)
     except ValueError:
         raise ValueError(f"'{idx}' names an unknown token dtype (code {code})") from None
-    return numpy.dtype(dtype).itemsize, sequences, documents
+    return numpy.dtype(dtype), sequences, documents
 
 
 def _array_end(idx: str, offset: int, dtype, count: int) -> numpy.ndarray:
@@ -92,7 +94,8 @@ def check_indexed_dataset(prefix: str) -> None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset file not found: {path} (data path {prefix!r})")
     idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_path)
-    itemsize, sequences, documents = _read_header(idx, idx_size)
+    dtype, sequences, documents = _read_header(idx, idx_size)
+    itemsize = dtype.itemsize
     expected = _HEADER.size + 12 * sequences + 8 * documents
     if idx_size != expected:
         state = "truncated" if idx_size < expected else "longer than its header says"
@@ -115,3 +118,67 @@ def check_indexed_dataset(prefix: str) -> None:
         state = "truncated" if bin_size < end else "longer than its index says"
         raise ValueError(f"dataset file '{bin_path}' is {state} ({bin_size} bytes; "
                          f"'{os.path.basename(idx)}' describes {end} bytes)")
+
+
+# ---------------------------------------------------------------- splits of a small dataset
+
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def split_matrix(split: str) -> list[tuple[float, float] | None]:
+    """megatron-core's book-ends of ``--split`` (``None``: a split of weight 0)."""
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+
+
+def split_documents(bookends: tuple[float, float], count: int) -> int:
+    """How many of ``count`` documents megatron-core's rounding gives the split ``bookends``."""
+    return int(round(bookends[1] * count)) - int(round(bookends[0] * count))
+
+
+def documents_needed(bookends: tuple[float, float], count: int) -> int:
+    """The fewest documents (more than ``count``) that give the split at least one."""
+    needed = count + 1
+    while split_documents(bookends, needed) < 1:
+        needed += 1
+    return needed
+
+
+def document_count(prefix: str) -> int:
+    """The number of sequences (documents, as ``preprocess_data`` writes them) in ``prefix``:
+    what megatron-core's ``--split`` cuts (the ``.idx`` header, already checked)."""
+    idx = get_idx_path(prefix)
+    return _read_header(idx, os.path.getsize(idx))[1]
+
+
+def empty_splits(prefix: str, split: str) -> list[tuple[int, str]]:
+    """``(split index, one-line reason)`` for each split of weight > 0 that gets none of
+    ``prefix``'s documents. megatron-core would loop forever on it (a ``GPTDataset`` repeats
+    its documents until it has the samples asked for, and no number of epochs of nothing
+    does), even when no sample is asked for."""
+    count = document_count(prefix)
+    found = []
+    for i, bookends in enumerate(split_matrix(split)):
+        if bookends is not None and split_documents(bookends, count) == 0:
+            found.append((i, f"--data-path {prefix}: --split {split} gives the "
+                             f"{SPLIT_NAMES[i]} split none of its {count} documents; it needs "
+                             f"{documents_needed(bookends, count)} or more (or a --split whose "
+                             f"{SPLIT_NAMES[i]} weight is 0)"))
+    return found
+
+
+def check_token_ids(prefix: str, vocab_size: int, tokenizer: str) -> None:
+    """Every token id in ``prefix.bin`` is below ``vocab_size`` (the tokenizer's): data
+    tokenized with a larger vocabulary would fail at the first forward pass with an
+    ``IndexError`` deep in the embedding. ``ValueError`` (one line) naming both otherwise. One
+    pass over the memory-mapped file, in chunks (about 1 s per GB)."""
+    idx, bin_path = get_idx_path(prefix), get_bin_path(prefix)
+    dtype = _read_header(idx, os.path.getsize(idx))[0]
+    if os.path.getsize(bin_path) == 0:
+        return
+    tokens = numpy.memmap(bin_path, dtype=dtype, mode="r")
+    chunk = 1 << 26
+    largest = max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
+    if largest >= vocab_size:
+        raise ValueError(f"dataset '{bin_path}' holds token id {largest}, but the tokenizer "
+                         f"'{tokenizer}' has {vocab_size} ids: the data was tokenized with "
+                         f"another tokenizer (pass that one as --tokenizer-model)")

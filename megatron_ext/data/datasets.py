@@ -8,7 +8,10 @@ What megatron-core does with the arguments of ``build_datasets``:
   from ``b`` (a ``BlendedDataset``);
   ``["a", "b"]`` (no weights) blends in proportion to the datasets' sizes.
 * ``split`` (``"969,30,1"``) cuts each dataset's *documents* into consecutive train/valid/test
-  ranges in those proportions; a zero weight gives ``None`` for that split.
+  ranges in those proportions; a zero weight gives ``None`` for that split. A split that gets
+  no document of some dataset (``969,30,1`` leaves the test split of 471 documents empty)
+  would hang megatron-core: it is not built if no samples of it are asked for (``None``, one
+  ``note:`` line), and a ``ValueError`` naming the documents it needs otherwise.
 * ``num_samples[i]`` is how many samples split ``i`` must offer: a ``GPTDataset`` repeats its
   documents for as many epochs as needed (each epoch shuffled with ``seed``), so it can be
   longer than one pass over the data.
@@ -27,10 +30,12 @@ then every other rank loads from the cache after a barrier, so all ranks must ca
 dataset and reads its own micro-batches (see ``megatron_ext.data.sampler``).
 """
 
+import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from megatron_ext.data.checks import check_indexed_dataset, parse_data_path
+from megatron_ext.data.checks import (SPLIT_NAMES, check_indexed_dataset, check_token_ids,
+                                      empty_splits, parse_data_path)
 from megatron_ext.data.tokenizer import Tokenizer
 
 
@@ -49,8 +54,9 @@ def build_datasets(
     Raises:
         ValueError: neither ``data_path`` nor ``mock`` is given.
         FileNotFoundError: a dataset's ``.bin`` or ``.idx`` file is missing.
-        ValueError: ``data_path``'s weights and prefixes are not paired, or a dataset's
-            ``.idx`` and ``.bin`` do not match (truncated, corrupt: see ``data.checks``).
+        ValueError: ``data_path``'s weights and prefixes are not paired, a dataset's
+            ``.idx`` and ``.bin`` do not match (truncated, corrupt: see ``data.checks``), holds
+            token ids the tokenizer does not have, or gives a split no documents (above).
     """
     if mock:
         blend = None
@@ -60,6 +66,8 @@ def build_datasets(
         blend = parse_data_path(data_path)
         for prefix in blend[0]:
             check_indexed_dataset(prefix)
+            check_token_ids(prefix, tokenizer.vocab_size, tokenizer.path)
+    unbuilt = [] if mock else _unneeded_empty_splits(blend[0], split, num_samples)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -72,9 +80,29 @@ def build_datasets(
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    for i in unbuilt:  # asked for no samples and would get no documents: not built
+        config.split_matrix[i] = None
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset, list(num_samples), lambda: True, config
     )
     train, valid, test = builder.build()
     return train, valid, test
+
+
+def _unneeded_empty_splits(prefixes: list[str], split: str,
+                           num_samples: tuple[int, int, int]) -> list[int]:
+    """The splits some dataset gives no documents (megatron-core would hang on them): those
+    asked for no samples are left unbuilt (a one-line notice); any other is a ``ValueError``
+    naming the dataset, the split and the documents it needs."""
+    unbuilt = set()
+    for prefix in prefixes:
+        for i, reason in empty_splits(prefix, split):
+            if num_samples[i]:
+                raise ValueError(reason)
+            unbuilt.add(i)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    for i in sorted(unbuilt) if rank0 else ():
+        print(f"note: --split {split} leaves the {SPLIT_NAMES[i]} split empty; not built "
+              "(no samples of it are used)", flush=True)
+    return sorted(unbuilt)
 

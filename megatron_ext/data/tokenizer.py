@@ -106,7 +106,12 @@ class JsonTokenizer(Tokenizer):
 
     def __init__(self, path: str) -> None:
         super().__init__(path=os.path.abspath(path))
-        self._tokenizer = tokenizers.Tokenizer.from_file(self.path)
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as exc:  # the Rust library's own error type: one line, the file named
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ValueError(f"--tokenizer-model: '{self.path}' is not a tokenizers "
+                             f"tokenizer.json ({reason})") from None
         self._tokenizer.encode_special_tokens = True
         eod = self._tokenizer.token_to_id(EOD_TOKEN)
         if eod is None:
@@ -145,7 +150,7 @@ def build_tokenizer(tokenizer_model: str | None) -> Tokenizer:
 
     Raises:
         FileNotFoundError: the path does not name a file.
-        ValueError: the file has no ``<|endoftext|>`` token.
+        ValueError: the file is not a tokenizer.json, or has no ``<|endoftext|>`` token.
     """
     if tokenizer_model is None or tokenizer_model == "byte":
         return ByteTokenizer()

@@ -77,6 +77,10 @@ def flags_plan(args) -> PrecisionPlan | None:
     keep = args.keep_first_last_layers_bf16
     if keep < 0:
         raise UsageError("--keep-first-last-layers-bf16 must be >= 0")
+    if 2 * keep > args.num_layers:
+        raise UsageError(f"--keep-first-last-layers-bf16 {keep}: the model has "
+                         f"{args.num_layers} layers, so the first and last {keep} overlap; "
+                         f"give at most {args.num_layers // 2} (then every layer is BF16)")
     if not (args.precision or args.precision_plan):
         if keep:
             raise UsageError("--keep-first-last-layers-bf16 needs --precision or "

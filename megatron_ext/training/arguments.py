@@ -7,14 +7,16 @@ validate them in ``extra_validators``; everything else reads the parsed namespac
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import time
 from typing import Callable, Iterable
 
 import torch
 
 from megatron_ext.training.distributed import resolve_launch
-from megatron_ext.errors import UsageError
+from megatron_ext.errors import OneLineParser, UsageError, finite_float
 from megatron_ext.training.attention_backend import (CHOICES as ATTENTION_BACKENDS,
                                                      resolve_attention_backend)
 from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
@@ -36,15 +38,15 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{name}", type=int, default=None, help=f"{what}; from --model")
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default=None,
                    help="rotary or learned absolute positions; from --model")
-    g.add_argument("--rotary-base", type=float, default=None, help="RoPE theta; from --model")
+    g.add_argument("--rotary-base", type=finite_float, default=None, help="RoPE theta; from --model")
     g.add_argument("--use-rope-scaling", action=argparse.BooleanOptionalAction, default=None,
                    help="Llama 3.x RoPE frequency scaling (megatron-core's: low / high frequency "
                         "factors 1 / 4, original context 8192); default off")
-    g.add_argument("--rope-scaling-factor", type=float, default=None,
+    g.add_argument("--rope-scaling-factor", type=finite_float, default=None,
                    help="Llama 3.x RoPE scaling factor (with --use-rope-scaling); default 8.0")
     g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None,
                    help="layer norm kind; from --model")
-    g.add_argument("--norm-epsilon", type=float, default=None,
+    g.add_argument("--norm-epsilon", type=finite_float, default=None,
                    help="epsilon of the layer norms; from --model")
     g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None,
                    help="SwiGLU MLP (Llama) instead of a GeLU MLP (GPT); from --model")
@@ -71,11 +73,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    "layers), local = megatron-core's unfused DotProductAttention, flash / "
                    "fused / unfused = Transformer Engine's (TE layers); auto = sdpa in local "
                    "layers, TE's own choice in TE layers (docs/attention.md)")
-    g.add_argument("--hidden-dropout", type=float, default=0.0,
+    g.add_argument("--hidden-dropout", type=finite_float, default=0.0,
                    help="dropout after attention and MLP, in [0, 1)")
-    g.add_argument("--attention-dropout", type=float, default=0.0,
+    g.add_argument("--attention-dropout", type=finite_float, default=0.0,
                    help="dropout of the attention probabilities, in [0, 1)")
-    g.add_argument("--init-method-std", type=float, default=0.02,
+    g.add_argument("--init-method-std", type=finite_float, default=0.02,
                    help="standard deviation of the normal weight initialisation")
 
 
@@ -101,7 +103,7 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="megatron-core Megatron-FSDP (GPU only; docs/parallelism.md)")
     g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend; auto = NCCL with CUDA, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MIN",
+    g.add_argument("--distributed-timeout-minutes", type=finite_float, default=10.0, metavar="MIN",
                    help="a collective that waits longer than this for a peer ends the run "
                         "with one line naming the peer")
 
@@ -116,8 +118,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step (default: micro-batch-size x "
                         "data-parallel size: no accumulation)")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=3e-4,
+    g.add_argument("--lr", type=finite_float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=finite_float, default=3e-4,
                    help="learning rate at the end of the decay")
     g.add_argument("--lr-warmup-iters", type=int, default=None,
                    help="linear warm-up steps (default: 5%% of --lr-decay-iters)")
@@ -130,11 +132,11 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential",
                                                     "minus_sqrt"], default="linear",
                    help="WSD: shape of the final decay")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
-    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
-    g.add_argument("--clip-grad", type=float, default=1.0,
+    g.add_argument("--weight-decay", type=finite_float, default=0.1, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=finite_float, default=0.9, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=finite_float, default=0.95, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=finite_float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--clip-grad", type=finite_float, default=1.0,
                    help="clip the global gradient norm to this (0: no clipping)")
     g.add_argument("--seed", type=int, default=1234,
                    help="seed of the initialisation, data order and dropout")
@@ -186,6 +188,10 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="save every N iterations (a final checkpoint is always written)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving a checkpoint) once the iteration is a multiple of N")
+    g.add_argument("--check-flags", action="store_true",
+                   help="check every flag (the trainer's and each method's) and the output "
+                        "folders, print 'flags ok' and exit: starts nothing "
+                        "(tools/compare_precision.py checks each run so before training any)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -200,7 +206,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(family: str, extra_args_provider: ArgsProvider | None = None):
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=f"pretrain_{family}.py",
         description=f"Pretrain a {family} model with megatron-core (CPU/gloo or GPU/NCCL).",
         formatter_class=HelpFormatter,
@@ -223,19 +229,23 @@ def parse_args(family: str, argv: Iterable[str] | None = None,
         arch = get_preset(family, args.model)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    for field in ARCH_FIELDS:  # flag wins over preset
-        if getattr(args, field) is None:
-            setattr(args, field, getattr(arch, field))
+    args.from_preset = [f for f in ARCH_FIELDS if getattr(args, f) is None]
+    for field in args.from_preset:  # flag wins over preset
+        setattr(args, field, getattr(arch, field))
     if world_size is None:
         world_size = resolve_launch().world_size
     args.world_size = world_size
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available()
     validate_args(args)
+    run_dir = save = None
+    if args.load:  # a resume goes on in place
+        from megatron_ext.training.checkpointing import resume_in_place
+        run_dir, save = resume_in_place(args.load, args.finetune)
     if args.run_dir is None:
-        args.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        args.run_dir = run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if args.save is None and not args.no_save:
-        args.save = os.path.join(args.run_dir, "checkpoints")
+        args.save = save or os.path.join(args.run_dir, "checkpoints")
     if args.no_save:
         args.save = None
     return args
@@ -268,6 +278,33 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
            "would read the embedding's sharded weight outside its FSDP unit")
 
 
+def _given(args: argparse.Namespace, name: str) -> str:
+    """``--flag VALUE``, and where the value came from when the user did not give it."""
+    text = f"--{name.replace('_', '-')} {getattr(args, name)}"
+    return f"{text} (the --model {args.model} preset's)" if name in args.from_preset else text
+
+
+def _validate_split(split: str) -> None:
+    """``--split``: up to three comma- or slash-separated weights, each finite and >= 0, the
+    train weight positive (megatron-core's own parse turns anything else into NaN)."""
+    parts = re.split(r"[,/]", split)
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    _check(1 <= len(parts) <= 3 and len(weights) == len(parts)
+           and all(math.isfinite(w) and w >= 0 for w in weights) and weights[0] > 0,
+           f"--split {split!r}: expected train,valid,test weights (numbers >= 0, train > 0), "
+           "e.g. 969,30,1")
+
+
+def _validate_intervals(args: argparse.Namespace) -> None:
+    """Optional step intervals: unset, or positive (0 would silently mean never)."""
+    for name in ("save_interval", "exit_interval", "global_batch_size"):
+        value = getattr(args, name)
+        _check(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
+
+
 def _validate_run_flags(args: argparse.Namespace) -> None:
     """The process group's timeout, checkpoint retention, and the --load path (a file, a
     missing folder, a dangling pointer: one line now, not at load time)."""
@@ -286,6 +323,8 @@ def validate_args(args: argparse.Namespace) -> None:
                  "log_interval", "eval_interval"):
         _check(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive")
     _check(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    _validate_intervals(args)
+    _validate_split(args.split)
     _check(args.lr >= 0 and args.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _check(args.min_lr <= args.lr, "--min-lr must not exceed --lr")
     _check(0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1,
@@ -301,13 +340,15 @@ def validate_args(args: argparse.Namespace) -> None:
                f"--data-parallel-size {args.data_parallel_size} != world size / (TP*PP) = "
                f"{args.data_parallel}")
     _check(args.num_attention_heads % tp == 0,
-           f"TP={tp} does not divide --num-attention-heads {args.num_attention_heads}")
+           f"TP={tp} does not divide {_given(args, 'num_attention_heads')}")
     _check(args.num_query_groups % tp == 0,
-           f"TP={tp} does not divide --num-query-groups {args.num_query_groups}")
+           f"TP={tp} does not divide {_given(args, 'num_query_groups')}")
     _check(args.num_attention_heads % args.num_query_groups == 0,
-           "--num-query-groups must divide --num-attention-heads")
+           f"{_given(args, 'num_query_groups')} does not divide "
+           f"{_given(args, 'num_attention_heads')}")
     _check(args.hidden_size % args.num_attention_heads == 0,
-           "--num-attention-heads must divide --hidden-size")
+           f"{_given(args, 'num_attention_heads')} does not divide "
+           f"{_given(args, 'hidden_size')}")
     _check(args.num_layers % pp == 0,
            f"PP={pp} does not divide --num-layers {args.num_layers}")
     args.virtual_pipeline_model_parallel_size = None

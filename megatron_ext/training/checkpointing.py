@@ -23,9 +23,11 @@ at the same layout), and whatever later features :meth:`Checkpointer.register`.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -44,7 +46,7 @@ from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_opt
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
 from megatron_ext.training.optimizer import allocate_adam_state, restore_adam_step
-from megatron_ext.training.schedule_resume import restore, saved_state
+from megatron_ext.training.schedule_resume import group_schedule, restore, saved_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -101,6 +103,18 @@ def locate_checkpoint(path: str) -> str:
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise UsageError(f"--load: '{path}' is not a checkpoint (no {TRACKER} or metadata.json)")
     return path
+
+
+def resume_in_place(load: str | None, finetune: bool) -> tuple[str | None, str | None]:
+    """Where a resume writes by default, as Megatron-LM users expect of ``--save`` =
+    ``--load``: ``--load ROOT`` (a save root: go on from its latest checkpoint) saves into ROOT
+    and logs into the run folder above it (the one with ``args.json``: ``runs/<ts>``).
+    ``(run_dir or None, save root or None)``; (None, None) for one ``iter_*`` folder (a branch
+    from an older checkpoint), ``--finetune`` or no ``--load``."""
+    if not load or finetune or not os.path.isfile(os.path.join(load, TRACKER)):
+        return None, None
+    parent = os.path.dirname(os.path.abspath(load))
+    return (parent if os.path.isfile(os.path.join(parent, "args.json")) else None), load
 
 
 def resolve_checkpoint_dir(path: str, unverified: bool = False) -> str:
@@ -160,14 +174,17 @@ class Checkpointer:
                      extra={name: p.state_dict() for name, p in self.extra.items()})
         return atomic_save(state, self.save_dir, train_state.iteration, self.retain)
 
-    def load(self, path: str, finetune: bool = False, unverified: bool = False) -> TrainState:
+    def load(self, path: str, finetune: bool = False, unverified: bool = False,
+             train_iters: int | None = None) -> TrainState:
         """Restore from ``path``. The RNG only if the rank layout is unchanged; only the model
         weights (and a fresh TrainState) with ``finetune`` or from a weights-only checkpoint;
-        a checkpoint without checksums only with ``unverified``."""
+        a checkpoint without checksums only with ``unverified``; ``UsageError`` if it is past
+        ``train_iters`` (before its schedule is compared with the flags')."""
         path = resolve_checkpoint_dir(path, unverified)
         try:
             common = dist_checkpointing.load_common_state_dict(path)
             weights_only = finetune or common.get("weights_only", False)
+            _check_not_past(common, weights_only, train_iters, path)
             same_layout = common.get("layout") == _layout()
             if not weights_only:
                 allocate_adam_state(self.optimizer)
@@ -184,9 +201,11 @@ class Checkpointer:
             module.load_state_dict(local_shards_as_dtensors(module, loaded["model"][f"chunk{i}"]))
         if weights_only:
             return TrainState()
+        flag_groups = group_schedule(self.optimizer)  # before the checkpoint's replace them
         load_optimizer_state(self.optimizer, loaded["optimizer"])
         restore_adam_step(self.optimizer)
-        schedule = restore(self.scheduler, common["scheduler"])  # UsageError on a mismatch
+        # UsageError on a mismatch
+        schedule = restore(self.scheduler, common["scheduler"], flag_groups)
         if dist.get_rank() == 0:
             print(schedule, flush=True)
         if same_layout:
@@ -195,6 +214,16 @@ class Checkpointer:
             if name in common.get("extra", {}):
                 provider.load_state_dict(common["extra"][name])
         return TrainState(common["iteration"], common["consumed_samples"])
+
+
+def _check_not_past(common: dict, weights_only: bool, train_iters: int | None,
+                    path: str) -> None:
+    """A checkpoint already past ``--train-iters`` leaves nothing to train: say so."""
+    done = common.get("iteration", 0)
+    if not weights_only and train_iters is not None and done > train_iters:
+        raise UsageError(f"--load: already at step {done} ('{path}'), past --train-iters "
+                         f"{train_iters}: nothing to train (pass --train-iters > {done} to go "
+                         "on)")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -242,13 +271,14 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}")
     rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    dist_checkpointing.save(state, tmp)
-    dist.barrier()
-    write_manifest(tmp)  # sha256 of every file, verified on load
+    with _failed_save_removed(tmp, rank0, iteration):
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        dist_checkpointing.save(state, tmp)
+        dist.barrier()
+        write_manifest(tmp)  # sha256 of every file, verified on load
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -263,6 +293,60 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
             prune_checkpoints(save_dir, iteration, retain)
     dist.barrier()
     return final
+
+
+DISK_FULL_BYTES = 1 << 20
+"""Less free space than this where a save failed means the disk filled up: torch's zip writer
+reports a full disk as ``unexpected pos`` (no errno), so the free space is the evidence."""
+
+
+def _no_space(exc: BaseException, path: str) -> bool:
+    """Whether ``exc`` (or what it wraps: a cause, a failed writer, a rank's failure inside
+    torch's ``CheckpointException``) is a full disk, or ``path``'s file system is full now."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC \
+                or os.strerror(errno.ENOSPC) in str(e):  # a writer's error, pickled as text
+            return True
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():
+            todo += [f for f in (failure if isinstance(failure, tuple) else (failure,))
+                     if isinstance(f, BaseException)]
+    try:
+        return shutil.disk_usage(path).free < DISK_FULL_BYTES
+    except OSError:
+        return False
+
+
+@contextmanager
+def _failed_save_removed(tmp: str, rank0: bool, iteration: int):
+    """A save that fails (disk full, I/O error) leaves no temporary folder and says so in one
+    line naming the folder (``UsageError``); the previous checkpoint and pointer are intact."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        full = _no_space(exc, os.path.dirname(os.path.abspath(tmp)))
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = "no space left on device" if full else _first_line(exc)
+        save_dir = os.path.dirname(tmp) or "."
+        kept = latest_saved(save_dir)
+        kept = f"checkpoint {kept} is intact" if kept else "no earlier checkpoint"
+        raise UsageError(f"cannot save the checkpoint of step {iteration} to '{save_dir}': "
+                         f"{reason} (its temporary folder was removed; {kept})") from exc
+
+
+def latest_saved(save_dir: str) -> int | None:
+    """The iteration ``save_dir``'s latest pointer names, or None (none, or unreadable)."""
+    try:
+        with open(os.path.join(save_dir, TRACKER), encoding="utf-8") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def prune_checkpoints(save_dir: str, newest: int, retain: int) -> list[int]:

@@ -14,8 +14,8 @@ ends. :func:`install` (once per trainer, before training) sets it
 
 * in every ``fork``ed child of the trainer, through ``os.register_at_fork`` (the writers);
 * in the Manager, which it starts itself, before megatron would, with an initializer
-  (the Manager also ignores SIGTERM, so a SLURM pre-emption that signals every process of
-  the job cannot break the final save; see docs/faults.md).
+  (the Manager also ignores SIGTERM and SIGINT, so a SLURM pre-emption or a Ctrl-C that
+  signals every process of the job cannot break the final save; see docs/faults.md).
 
 ``resource_tracker`` then exits on its own: it ends when the last process holding its pipe
 does. Elsewhere than Linux a watchdog thread in the child polls the parent instead (1 s).
@@ -77,6 +77,7 @@ def _manager_init(parent_pid: int) -> None:
     """Runs in the spawned Manager before it serves."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which decides
 
 
 def _start_writer_queue() -> None:

@@ -38,7 +38,7 @@ def build_data(args: argparse.Namespace):
         train, valid, _ = build_datasets(
             data_path, args.split, args.seq_length, args.seed,
             (args.train_iters * args.global_batch_size,
-             max(args.eval_iters, 1) * args.global_batch_size, 0),
+             args.eval_iters * args.global_batch_size, 0),
             tokenizer, mock=args.mock_data, cache_dir=args.data_cache_path)
     except (FileNotFoundError, ValueError) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None

@@ -18,7 +18,9 @@ What and why:
   few int64 fingerprints before every save and aborts every rank, naming the ranks that differ.
 * **Pre-emption.** With ``--exit-signal-handler`` (Megatron-LM's flag; on by default when
   checkpoints are saved) SIGTERM only sets a flag; the loop all-reduces it after every step, so
-  all ranks stop after the same step, save a checkpoint and exit with status 0.
+  all ranks stop after the same step, save a checkpoint and exit with status 0. Ctrl-C
+  (SIGINT) does the same and then exits with status 130 (without the handler: at once, one
+  line, status 130).
 * **Fault injection** flags (``--inject-*``) exist so that tests can exercise these paths
   through the real entry points.
 """
@@ -48,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "stop the run (exit status 2) after N such steps in a row")
     g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
                    help="on SIGTERM (e.g. SLURM pre-emption) finish the current step on every "
-                        "rank, save a checkpoint and exit with status 0 (default: on when "
-                        "checkpoints are saved)")
+                        "rank, save a checkpoint and exit with status 0; on SIGINT (Ctrl-C) the "
+                        "same, exit status 130 (default: on when checkpoints are saved)")
     t = parser.add_argument_group("fault injection (for testing the fault handling)")
     t.add_argument("--inject-nonfinite-at-step", type=int, nargs="+", default=[], metavar="K",
                    help="make the loss, and so every gradient, NaN at these steps")
@@ -133,10 +135,13 @@ class FaultHandler:
         self.args: argparse.Namespace | None = None
         self.consecutive = 0
         self.total = 0
-        self.signalled = False
+        self.signalled = 0
+        """0, or the number of the stop signal received (SIGTERM, or SIGINT: Ctrl-C)."""
+        self.interrupted = ""
+        """Set when a Ctrl-C stopped training: what happened, for the exit-130 line."""
         self._abort: str | None = None
         self._state = None
-        self._previous_handler = None
+        self._previous_handlers: dict = {}
         self._hook_handles = []
 
     def configure(self, args: argparse.Namespace) -> None:
@@ -161,25 +166,31 @@ class FaultHandler:
         self.consecutive = int(state.get("skipped_in_a_row", 0))
 
     def start(self, args, run, state) -> None:
-        """Training begins: install the SIGTERM handler and the injection hook (if asked)."""
+        """Training begins: install the SIGTERM / SIGINT handler and the injection hook (if
+        asked)."""
         self._state = state
         if args.exit_signal_handler and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous_handlers = {sig: signal.signal(sig, self._on_signal)
+                                       for sig in (signal.SIGTERM, signal.SIGINT)}
         if args.inject_nonfinite_at_step:
             self._hook_handles = [m.register_forward_hook(self._poison)
                                   for m in unwrap_model(run.model) if getattr(m, "post_process", 1)]
 
     def close(self, args=None, run=None, state=None) -> None:
-        """Restore the previous SIGTERM handler and remove the injection hooks."""
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        """Restore the previous signal handlers and remove the injection hooks; after a stop
+        by Ctrl-C, ``KeyboardInterrupt`` (the entry point exits with status 130)."""
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers = {}
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        if self.interrupted:
+            raise KeyboardInterrupt(self.interrupted)
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self.signalled = True  # acted on after the current step (no I/O inside a handler)
+    def _on_signal(self, signum, frame) -> None:
+        # acted on after the current step (no I/O inside a handler); SIGINT outranks SIGTERM
+        self.signalled = max(self.signalled, int(signum))
 
     def _poison(self, module, inputs, output):
         """Forward hook on the last stage: the per-token losses become NaN at the chosen
@@ -220,20 +231,27 @@ class FaultHandler:
 
     def should_stop(self, args, run, state) -> bool:
         """End of a step: ``UsageError`` (abort, no checkpoint) after too many non-finite steps
-        in a row; True (save and stop) if any rank got SIGTERM. With the signal handler on this
-        is collective (one all-reduce of one number), so all ranks stop after the same step."""
+        in a row; True (save and stop) if any rank got SIGTERM or SIGINT. With the signal
+        handler on this is collective (one all-reduce of one number), so all ranks stop after
+        the same step."""
         if self._abort:
             raise UsageError(self._abort)
         if not args.exit_signal_handler:
             return False
-        flag = torch.tensor([int(self.signalled)], dtype=torch.int32, device=device())
+        flag = torch.tensor([self.signalled], dtype=torch.int32, device=device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and _rank() == 0:
-            then = "saving a checkpoint and exiting" if args.save \
-                else "exiting (no checkpoint: --no-save)"
-            print(f"received SIGTERM: stopping after step {state.iteration}, {then}", flush=True)
-        return bool(flag.item())
+        if not flag.item():
+            return False
+        name = signal.Signals(flag.item()).name
+        then = "saving a checkpoint and exiting" if args.save \
+            else "exiting (no checkpoint: --no-save)"
+        if _rank() == 0:
+            print(f"received {name}: stopping after step {state.iteration}, {then}", flush=True)
+        if flag.item() == signal.SIGINT:
+            self.interrupted = f"stopped after step {state.iteration}" + \
+                (", checkpoint saved" if args.save else "")
+        return True
 
 
 # ---------------------------------------------------------------- rank desync

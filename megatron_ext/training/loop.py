@@ -149,6 +149,9 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
         chunk.train()
     if state.iteration == 0:
         _validate(args, model, valid_ds, state, logger)  # the starting point of the curve
+    if logger and state.iteration >= args.train_iters:  # a resume of a finished run
+        print(f"already at step {state.iteration} of --train-iters {args.train_iters}: "
+              "nothing to train (pass a larger --train-iters to go on)", flush=True)
     for hook in ext.hooks(extensions, "on_train_start"):
         hook(args, run, state)
     memory = PeakMemory()  # peak since the last logged step, hooks included
@@ -164,26 +167,38 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
             state.consumed_samples += args.global_batch_size
             extra = _after_step(args, run, state, extensions)
             result = run.step_result
+            last = state.iteration == args.train_iters  # always logged, whatever the interval
+            stop = _due(args.exit_interval, state)
             if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1
-                           or result["skipped"]):
+                           or result["skipped"] or last or stop):
                 logger.train_step({
                     "step": state.iteration, "loss": result["loss"],
                     "lr": lr, "grad_norm": result["grad_norm"],
                     "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                     "consumed_samples": state.consumed_samples, **memory.metrics(), **extra})
-            last = state.iteration == args.train_iters
             if state.iteration % args.eval_interval == 0 or last:
                 _validate(args, model, valid_ds, state, logger)
-            stop = bool(args.exit_interval) and state.iteration % args.exit_interval == 0
             stop = _should_stop(args, run, state, extensions) or stop  # SIGTERM, too many skips
             if checkpointer is not None and (last or stop or _due(args.save_interval, state)):
                 checkpointer.save(state)
             if stop:
                 break
     finally:
-        for hook in ext.hooks(extensions, "on_train_end"):
-            hook(args, run, state)
+        _end_hooks(args, run, state, extensions)
     return state
+
+
+def _end_hooks(args, run, state, extensions) -> None:
+    """Every extension's ``on_train_end``, even after an earlier one raised (the first
+    exception is raised once all have run)."""
+    first = None
+    for hook in ext.hooks(extensions, "on_train_end"):
+        try:
+            hook(args, run, state)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def _due(interval: int | None, state: TrainState) -> bool:

@@ -8,12 +8,26 @@ import os
 import sys
 import time
 
+from megatron_ext.io import read_jsonl, write_text_atomic
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def drop_records_after(path: str, step: int) -> None:
+    """A resume that logs into its run folder again (``--load`` of a save root): the records
+    of steps after the checkpoint's (logged before the run stopped) go; the resume logs those
+    steps anew, so each step is in the file once."""
+    if not os.path.isfile(path):
+        return
+    records = read_jsonl(path)
+    kept = [r for r in records if r.get("step", 0) <= step]
+    if len(kept) < len(records):
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MetricsLogger:
@@ -23,9 +37,12 @@ class MetricsLogger:
     elsewhere.
     """
 
-    def __init__(self, run_dir: str, train_iters: int, tensorboard_dir: str | None = None):
+    def __init__(self, run_dir: str, train_iters: int, tensorboard_dir: str | None = None,
+                 resumed_at: int | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        if resumed_at is not None:
+            drop_records_after(self.path, resumed_at)
         self._file = open(self.path, "a", encoding="utf-8")
         self.train_iters = train_iters
         self._tty = sys.stdout.isatty()

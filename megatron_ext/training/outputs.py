@@ -15,11 +15,13 @@ from megatron_ext.io import check_output
 
 
 def check_run_outputs(args: argparse.Namespace, rank: int) -> None:
-    """``UsageError`` (one line) if ``--run-dir``, ``--tensorboard-dir`` (rank 0) or
-    ``--save`` (every rank) cannot be written. Not collective."""
+    """``UsageError`` (one line) if ``--run-dir``, ``--tensorboard-dir``, ``--data-cache-path``
+    (rank 0: megatron-core builds the dataset caches there) or ``--save`` (every rank) cannot
+    be written. Not collective."""
     if rank == 0:
         check_output(args.run_dir, "--run-dir")
-        if args.tensorboard_dir:
-            check_output(args.tensorboard_dir, "--tensorboard-dir")
+        for flag in ("tensorboard_dir", "data_cache_path"):
+            if getattr(args, flag):
+                check_output(getattr(args, flag), f"--{flag.replace('_', '-')}")
     if args.save:
         check_output(args.save, "--save")

@@ -93,7 +93,7 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     for hook in ext.hooks(extensions, "after_setup"):
         hook(args, run, run.state)
     if args.load:
-        run.state = ckpt.load(args.load, args.finetune, args.load_unverified)
+        run.state = ckpt.load(args.load, args.finetune, args.load_unverified, args.train_iters)
     return run
 
 
@@ -108,7 +108,7 @@ def _announce(family: str, args, run: TrainingRun) -> None:
 
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState (with
-    ``--dry-run``: the DryRunReport, and nothing is started)."""
+    ``--dry-run``: the DryRunReport; with ``--check-flags``: None; nothing is started)."""
     from megatron_ext.training.loop import train
     from megatron_ext.training.metrics import MetricsLogger
 
@@ -121,12 +121,16 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     if simulated:
         return dry_run.run(args, simulated, extensions)
     check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
+    if args.check_flags:
+        print("flags ok", flush=True)
+        return None
     child_processes.install(bool(args.save))  # checkpoint helpers die with this process
     run = setup(args, extensions)
     logger = None
     if dist.get_rank() == 0:
         _write_args(args)
-        logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir)
+        logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir,
+                               run.state.iteration if args.load else None)
         _announce(family, args, run)
     try:
         return train(args, run, logger, extensions)
@@ -147,6 +151,11 @@ def main(family: str, extensions: list[ext.Extension] = ()) -> int:
         if resolve_launch().rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, the shell's status for SIGINT
+        if resolve_launch().rank == 0:
+            print(f"interrupted (Ctrl-C){f': {exc}' if str(exc) else ''}", file=sys.stderr,
+                  flush=True)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

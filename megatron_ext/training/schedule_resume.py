@@ -31,6 +31,16 @@ FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warm
 _WSD_FIELDS = ("wsd_decay_steps", "lr_wsd_decay_style")
 """Fields megatron-core's state dict lacks; saved beside it, restored here."""
 
+GROUP_FIELDS = ("max_lr", "min_lr")
+"""The schedule's values megatron-core also keeps in every optimizer parameter group (its
+scheduler reads them from there, not from itself); a loaded optimizer state brings back the
+checkpoint's."""
+
+
+def group_schedule(optimizer) -> list[dict]:
+    """Each parameter group's :data:`GROUP_FIELDS` (those it has), in group order."""
+    return [{f: group[f] for f in GROUP_FIELDS if f in group} for group in optimizer.param_groups]
+
 
 def saved_state(scheduler) -> dict:
     """What a checkpoint stores: megatron's state dict plus the WSD decay fields."""
@@ -45,9 +55,12 @@ def differences(scheduler, saved: dict) -> list[str]:
             if field in saved and saved[field] != getattr(scheduler, field)]
 
 
-def restore(scheduler, saved: dict) -> str:
+def restore(scheduler, saved: dict, flag_groups: list[dict] | None = None) -> str:
     """Load ``saved`` into ``scheduler`` as its construction flags say (see the module
-    docstring); ``UsageError`` on an unresolved mismatch. Returns the line to print."""
+    docstring); ``UsageError`` on an unresolved mismatch. ``flag_groups``: the optimizer's
+    :func:`group_schedule` before the checkpoint's optimizer state replaced it (the flags'
+    per-group peak / minimum LR, which ``--override-opt_param-scheduler`` puts back).
+    Returns the line to print."""
     use_checkpoint = scheduler.use_checkpoint_opt_param_scheduler
     override = scheduler.override_opt_param_scheduler
     diffs = differences(scheduler, saved)
@@ -59,6 +72,9 @@ def restore(scheduler, saved: dict) -> str:
     if not override:
         for field in _WSD_FIELDS:
             setattr(scheduler, field, saved.get(field, getattr(scheduler, field)))
+    elif flag_groups is not None:
+        for group, values in zip(scheduler.optimizer.param_groups, flag_groups):
+            group.update(values)
     scheduler.load_state_dict(saved)  # megatron: override -> the flags' values, else saved
     if not diffs:
         source = "the checkpoint's (the flags agree)"

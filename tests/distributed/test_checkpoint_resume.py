@@ -71,8 +71,17 @@ def test_distributed_optimizer_resumes_exactly_at_the_same_and_another_dp_size(t
                 "--load", str(tmp_path / "full-ckpt" / "iter_0000002")], nproc=nproc)
         assert train_losses(tmp_path / name) == {3: full[3], 4: full[4]}, name
 
-CRASH_ON_SECOND_SAVE = """
-import os, sys
+PATCHED_ENTRY = """
+import errno, functools, os, sys
+{definitions}
+if __name__ == "__main__":  # dist_checkpointing spawns workers that re-import this file
+    {patch}
+    from megatron_ext.training.pretrain import main
+    sys.exit(main("llama"))
+"""
+"""pretrain_llama.py with one of megatron's checkpoint-writing functions replaced."""
+
+CRASH_ON_SECOND_SAVE = PATCHED_ENTRY.format(definitions="""
 from megatron.core import dist_checkpointing
 real_save = dist_checkpointing.save
 calls = []
@@ -81,12 +90,7 @@ def crashing_save(state, path, *args, **kwargs):
     if len(calls) == 2:
         open(os.path.join(path, "__0_0.distcp"), "wb").write(b"half a shard")
         os._exit(17)  # dies mid-save, like a node failure
-    return real_save(state, path, *args, **kwargs)
-if __name__ == "__main__":  # dist_checkpointing spawns workers that re-import this file
-    dist_checkpointing.save = crashing_save
-    from megatron_ext.training.pretrain import main
-    sys.exit(main("llama"))
-"""
+    return real_save(state, path, *args, **kwargs)""", patch="dist_checkpointing.save = crashing_save")
 
 
 def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
@@ -105,6 +109,36 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, uninterrupted):
     resumed = train_losses(tmp_path / "after")
     assert resumed == {s: uninterrupted[s] for s in range(5, 13)}
     assert latest_iteration(save) == 12 and not (save / ".tmp_iter_0000008").exists()
+
+
+DISK_FULL_ON_SECOND_SAVE = PATCHED_ENTRY.format(definitions="""
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+real_write = filesystem_async._write_item
+@functools.wraps(real_write)  # megatron inspects its signature
+def full_disk_write(*args, **kwargs):
+    stream = next(a for a in args if hasattr(a, "write"))
+    if "_iter_0000008" in stream.name:  # the writer process of the second save
+        stream.write(b"part of a shard")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)
+    return real_write(*args, **kwargs)""", patch="filesystem_async._write_item = full_disk_write")
+
+
+def test_disk_full_while_saving_is_one_line_and_leaves_nothing(tmp_path, uninterrupted):
+    script = tmp_path / "disk_full_on_second_save.py"
+    script.write_text(DISK_FULL_ON_SECOND_SAVE)
+    save = tmp_path / "full-disk-ckpt"
+    proc = launch([*FAST_ARGS, *TRAIN, "--run-dir", str(tmp_path / "run"), "--save", str(save)],
+                  script=str(script), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: cannot save the checkpoint of step 8 to '{save}': no space left on device (its "
+        "temporary folder was removed; checkpoint 4 is intact)"]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000004",
+                                                      "latest_checkpointed_iteration.txt"]
+    launch([*FAST_ARGS, *TRAIN, "--run-dir", str(tmp_path / "after"), "--no-save",
+            "--load", str(save)])
+    assert train_losses(tmp_path / "after") == {s: uninterrupted[s] for s in range(5, 13)}
 
 
 def test_finetune_takes_weights_only(tmp_path):
@@ -129,3 +163,29 @@ def test_load_into_other_vocabulary_is_refused(tmp_path, full_run):
                   check=False)
     assert proc.returncode == 2
     assert "error: --load: 'embedding.word_embeddings.weight' has shape (384, 128)" in proc.stderr
+
+
+def test_resume_goes_on_in_place_and_logs_the_last_step(tmp_path):
+    """``--load RUN/checkpoints`` alone continues in RUN (metrics, checkpoints), as Megatron-LM's
+    --save = --load; the last step is logged whatever --log-interval; a finished run says so."""
+    import json
+
+    from pretrain_runner import read_metrics
+
+    run = tmp_path / "run"
+    flags = [*FAST_ARGS, "--train-iters", "6", "--log-interval", "4"]
+    launch([*flags, "--exit-interval", "3", "--run-dir", str(run)])  # saves step 3, stops
+    with open(run / "metrics.jsonl", "a") as f:  # as if it had logged step 5 before dying
+        f.write(json.dumps({"step": 5, "loss": -1.0}) + "\n")
+    proc = launch([*flags, "--load", str(run / "checkpoints")])
+    assert f"run dir {run}" in proc.stdout
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 3, 4, 6]
+    assert latest_iteration(run / "checkpoints") == 6
+    proc = launch([*flags, "--load", str(run / "checkpoints")])
+    assert "already at step 6 of --train-iters 6: nothing to train" in proc.stdout
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 3, 4, 6]
+    proc = launch([*flags[:-4], "--train-iters", "5", "--load", str(run / "checkpoints")],
+                  check=False)
+    assert proc.returncode == 2
+    assert "error: --load: already at step 6" in proc.stderr
+    assert "past --train-iters 5: nothing to train" in proc.stderr

@@ -26,25 +26,46 @@ def test_rank_desync_aborts_every_rank_before_saving(tmp_path):
     assert not list(save.glob("*iter_*"))  # nothing written, not even a temp directory
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("sig,status", [("SIGTERM", 0), ("SIGINT", 130)])
+def test_stop_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig, status):
+    """SIGTERM (pre-emption) and Ctrl-C (SIGINT: exit status 130) save and stop, one line."""
     save, run_dir = tmp_path / "ckpt", tmp_path / "run"
     proc = start_in_group([str(REPO / "pretrain_llama.py"), *FAST_ARGS, "--train-iters", "1000",
                    "--save-interval", "1", "--run-dir", str(run_dir), "--save", str(save)],
                   tmp_path / "run.log")
     try:
         wait_for(lambda: latest_iteration(save) >= 1, proc)  # the writer's helper processes are up
-        os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: every process of the job step
+        os.killpg(proc.pid, getattr(signal, sig))  # like SLURM / a terminal: every process
         returncode = proc.wait(timeout=120)
     finally:
         kill_group(proc)
     log = (tmp_path / "run.log").read_text()
-    assert returncode == 0, log[-3000:]
+    assert returncode == status, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
     stopped = logged_steps(run_dir)
-    assert f"received SIGTERM: stopping after step {stopped}, saving a checkpoint" in log
+    assert f"received {sig}: stopping after step {stopped}, saving a checkpoint" in log
+    if sig == "SIGINT":
+        assert log.rstrip().endswith(f"interrupted (Ctrl-C): stopped after step {stopped}, "
+                                     "checkpoint saved")
     assert 1 <= stopped < 1000 and latest_iteration(save) == stopped
     launch([*FAST_ARGS, "--train-iters", str(stopped + 1), "--lr-decay-iters", "1000",
             "--run-dir", str(tmp_path / "resumed"), "--no-save", "--load", str(save)])
     assert sorted(train_losses(tmp_path / "resumed")) == [stopped + 1]
+
+
+def test_ctrl_c_without_the_handler_is_one_line_and_status_130(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_in_group([str(REPO / "pretrain_llama.py"), *FAST_ARGS, "--train-iters", "1000",
+                           "--run-dir", str(run_dir), "--no-save"], tmp_path / "run.log")
+    try:
+        wait_for(lambda: logged_steps(run_dir) >= 1, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        returncode = proc.wait(timeout=120)
+    finally:
+        kill_group(proc)
+    log = (tmp_path / "run.log").read_text()
+    assert returncode == 130, log[-3000:]
+    assert "Traceback" not in log and log.rstrip().endswith("interrupted (Ctrl-C)"), log[-3000:]
 
 
 def test_sigterm_to_one_rank_stops_all_ranks_after_the_same_step(tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megatron_ext.errors import UsageError
+from megatron_ext.errors import UsageError, finite_float
 from megatron_ext.sites import SITES
 
 SITE_GROUPS = {"od": ("proj", "fc2"), "all": SITES}
@@ -77,11 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gaussws", default=None, metavar="od|all|SITES",
                    help="sample these sites' weights: od (proj, fc2), all, or a comma list "
                         f"of {','.join(SITES)}; off when absent")
-    g.add_argument("--gaussws-b-init", type=float, default=d.b_init,
+    g.add_argument("--gaussws-b-init", type=finite_float, default=d.b_init,
                    help=f"initial bit width of every 32x32 tile (default {d.b_init})")
-    g.add_argument("--gaussws-b-target", type=float, default=d.b_target,
+    g.add_argument("--gaussws-b-target", type=finite_float, default=d.b_target,
                    help=f"bit width weight decay on b_i pulls towards (default {d.b_target})")
-    g.add_argument("--gaussws-lambda", type=float, default=d.lam,
+    g.add_argument("--gaussws-lambda", type=finite_float, default=d.lam,
                    help="weight of the bit-width loss lambda/n sum|b - b_target| (eq. 10); "
                         "0 = off (default; the paper uses 1e-4)")
     g.add_argument("--gaussws-block", type=int, default=d.block,

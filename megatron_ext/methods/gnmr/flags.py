@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron_ext.errors import UsageError
+from megatron_ext.errors import UsageError, finite_float
 from megatron_ext.methods.gnmr.controller import COMPARES, HIGH_CHOICES, GnmrConfig, \
     parse_max_promoted
 from megatron_ext.methods.gnmr.rules import RULES
@@ -47,10 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"of the units (0.25); the riskiest win (default {d.max_promoted})")
     for name, metric, var in (("alpha", "GNMR", "A"), ("beta", "Δ-GNMR", "B")):
         for suffix, stage in (("_init", "during"), ("", "after")):
-            g.add_argument(_flag(name + suffix), type=float, metavar=var,
+            g.add_argument(_flag(name + suffix), type=finite_float, metavar=var,
                            help=f"{metric} threshold {stage} the warm-up stage "
                                 f"(default {getattr(d, name + suffix)})")
-    g.add_argument("--gnmr-warmup-frac", type=float, metavar="F",
+    g.add_argument("--gnmr-warmup-frac", type=finite_float, metavar="F",
                    help=f"fraction of --train-iters that uses the -init thresholds "
                         f"(default {d.warmup_frac})")
     g.add_argument("--gnmr-delta", type=int, metavar="D",
@@ -68,11 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gnmr-topk", type=int, metavar="K",
                    help="units first-last / static-topk hold high (default: maxO, "
                         "--gnmr-max-promoted, as a count)")
-    g.add_argument("--gnmr-autoswitch-underflow-pct", type=float, metavar="P",
+    g.add_argument("--gnmr-autoswitch-underflow-pct", type=finite_float, metavar="P",
                    help=f"autoswitch: promote when an operand's underflow (percent of its "
                         f"elements flushed to zero) exceeds P (default "
                         f"{d.autoswitch_underflow_pct}, TE's)")
-    g.add_argument("--gnmr-autoswitch-mse", type=float, metavar="E",
+    g.add_argument("--gnmr-autoswitch-mse", type=finite_float, metavar="E",
                    help=f"autoswitch: promote when an operand's quantization MSE exceeds E "
                         f"(default {d.autoswitch_mse}, TE's)")
 

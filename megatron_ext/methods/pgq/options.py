@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from megatron_ext.errors import UsageError
+from megatron_ext.errors import UsageError, finite_float
 from megatron_ext.methods.pgq.recipe import MODES, NO_ROOFLINE, RecipeConfig
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 from megatron_ext.precision.cost import DEVICES
@@ -22,15 +22,15 @@ def add_recipe_arguments(group) -> None:
                        help="candidate the quantized GEMMs run in: "
                             + ", ".join(f"{n} ({f.x}/{f.w}/{f.dy})" for n, f in
                                         CANDIDATES.items()))
-    group.add_argument("--pgq-fwd-threshold", type=float, default=DEFAULT.fwd_threshold,
+    group.add_argument("--pgq-fwd-threshold", type=finite_float, default=DEFAULT.fwd_threshold,
                        metavar="RATIO", help="quantize an fprop GEMM iff the lower SQNR of its "
                        "operands (ratio, not dB) is at least this")
-    group.add_argument("--pgq-bwd-threshold", type=float, default=DEFAULT.bwd_threshold,
+    group.add_argument("--pgq-bwd-threshold", type=finite_float, default=DEFAULT.bwd_threshold,
                        metavar="RATIO", help="the same for dgrad and wgrad GEMMs")
     group.add_argument("--pgq-device", choices=[*DEVICES, NO_ROOFLINE], default=DEFAULT.device,
                        help="roofline preset: only GEMMs above its ridge point (peak BF16 "
                             "FLOP/s over memory bandwidth) may be quantized; none: no filter")
-    group.add_argument("--pgq-budget", type=float, default=None, metavar="F",
+    group.add_argument("--pgq-budget", type=finite_float, default=None, metavar="F",
                        help="scale both thresholds (bisection) so that at least this fraction "
                             "of the linear-layer FLOPs is quantized (SNIP's --snip-budget "
                             "with an FP4 format)")

@@ -45,7 +45,7 @@ from megatron_ext.methods.snip.options import DEFAULT_CANDIDATES, option_name, p
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.snip.refresh import (WeightSnapshot, adam_squares, collect,
                                                reduce_statistics)
-from megatron_ext.errors import UsageError
+from megatron_ext.errors import UsageError, finite_float
 from megatron_ext.extension import Extension
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
@@ -54,7 +54,7 @@ POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("SNIP (--precision snip | random | min-abs-err | min-rel-err "
                                   "| e-layer-type | e-layer-id)")
-    g.add_argument("--snip-budget", type=float, default=0.5, metavar="E_t",
+    g.add_argument("--snip-budget", type=finite_float, default=0.5, metavar="E_t",
                    help="target fraction of linear-layer FLOPs in FP4 (eq. 2)")
     g.add_argument("--snip-candidates", default=DEFAULT_CANDIDATES, metavar="F1,F2,...",
                    help="formats each role may take: recipes fp8/fp4/bf16 or format names "
@@ -68,13 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps between refreshes (0: only the first)")
     g.add_argument("--snip-apply-lag", type=int, default=2, metavar="STEPS",
                    help="a refresh's plan is applied this many steps after it")
-    g.add_argument("--snip-noise", type=float, default=1e-2, metavar="EPS",
+    g.add_argument("--snip-noise", type=finite_float, default=1e-2, metavar="EPS",
                    help="probe noise std relative to the gradient's RMS per token (step 2) and "
                         "the input's RMS (step 3)")
-    g.add_argument("--snip-loss-weight", type=float, default=1.0, help="w_L in Q = w_L ΔL + w_W ΔW")
-    g.add_argument("--snip-weight-weight", type=float, default=1.0, help="w_W in Q")
-    g.add_argument("--snip-time-limit", type=float, default=30.0, help="ILP seconds (HiGHS)")
-    g.add_argument("--snip-mip-gap", type=float, default=1e-6, help="ILP relative MIP gap")
+    g.add_argument("--snip-loss-weight", type=finite_float, default=1.0, help="w_L in Q = w_L ΔL + w_W ΔW")
+    g.add_argument("--snip-weight-weight", type=finite_float, default=1.0, help="w_W in Q")
+    g.add_argument("--snip-time-limit", type=finite_float, default=30.0, help="ILP seconds (HiGHS)")
+    g.add_argument("--snip-mip-gap", type=finite_float, default=1e-6, help="ILP relative MIP gap")
     g.add_argument("--snip-threads", type=int, default=1, help="HiGHS threads")
     g.add_argument("--snip-seed", type=int, default=0, help="seed of the random baseline")
 

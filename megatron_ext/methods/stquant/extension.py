@@ -16,7 +16,7 @@ import os
 
 import torch.distributed as dist
 
-from megatron_ext.errors import UsageError
+from megatron_ext.errors import UsageError, finite_float
 from megatron_ext.extension import Extension
 from megatron_ext.methods.stquant import dry_run
 from megatron_ext.methods.stquant.optimizer import STQuantConfig, STQuantOptimizer
@@ -39,13 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "float32 state")
     g.add_argument("--stquant-update-every", type=int, default=10, metavar="U",
                    help="rescore the layers every U steps (and at steps 1-4)")
-    g.add_argument("--stquant-ema", type=float, default=0.1, metavar="ALPHA",
+    g.add_argument("--stquant-ema", type=finite_float, default=0.1, metavar="ALPHA",
                    help="EMA factor of the global references N, R, V")
-    g.add_argument("--stquant-tau", type=float, default=None, metavar="STEPS",
+    g.add_argument("--stquant-tau", type=finite_float, default=None, metavar="STEPS",
                    help="time constant of the annealing 1 + sech(t / tau); default "
                         "50 * (layers / 12) * sqrt(256 / global batch)")
-    g.add_argument("--stquant-phi", type=float, default=7.2, help="base score (Φ)")
-    g.add_argument("--stquant-thresholds", type=float, nargs=3, default=[6.8, 12.0, 24.0],
+    g.add_argument("--stquant-phi", type=finite_float, default=7.2, help="base score (Φ)")
+    g.add_argument("--stquant-thresholds", type=finite_float, nargs=3, default=[6.8, 12.0, 24.0],
                    metavar=("T4", "T8", "T16"),
                    help="score boundaries between 4 | 8 | 16 | 32 bits")
     g.add_argument("--stquant-fixed-bits", type=int, choices=BITS, default=None,
@@ -55,8 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optimizer memory (default: --stquant-fixed-bits if given, else 8)")
 
 
+def _flags_given(args: argparse.Namespace) -> list[str]:
+    """The ``--stquant-*`` flags whose value is not their default."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    return [f"--{name.replace('_', '-')}" for name, value in defaults.items()
+            if name.startswith("stquant_") and getattr(args, name) != value]
+
+
 def validate(args: argparse.Namespace) -> None:
     if args.optimizer != "stquant-adamw":
+        given = _flags_given(args)
+        if given:  # they would silently do nothing
+            raise UsageError(f"{', '.join(given)} need(s) --optimizer stquant-adamw")
         return
     block = args.stquant_block_size
     if block < 2 or block % 2:

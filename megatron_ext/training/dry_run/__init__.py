@@ -31,8 +31,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from megatron_ext.errors import UsageError
-from megatron_ext.io import write_text_atomic
+from megatron_ext.errors import UsageError, finite_float
+from megatron_ext.io import check_output, write_text_atomic
 
 DEFAULT_GPU_GIB = 80.0
 """Memory of one GPU the stages are compared with (H100 SXM 80 GB)."""
@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "plan, SNIP's ILP solve), then exit (docs/dry_run.md)")
     g.add_argument("--dry-run-json", default=None, metavar="PATH",
                    help="with --dry-run: also write the report as JSON to PATH")
-    g.add_argument("--dry-run-gpu-memory-gib", type=float, default=DEFAULT_GPU_GIB,
+    g.add_argument("--dry-run-gpu-memory-gib", type=finite_float, default=DEFAULT_GPU_GIB,
                    help="with --dry-run: GPU memory the per-stage estimates are checked against")
-    g.add_argument("--dry-run-bf16-tflops", type=float, default=DEFAULT_BF16_TFLOPS,
+    g.add_argument("--dry-run-bf16-tflops", type=finite_float, default=DEFAULT_BF16_TFLOPS,
                    help="with --dry-run: dense BF16 peak of one GPU for the time estimates "
                         "(FP8 2x, FP4 4x)")
 
@@ -85,6 +85,10 @@ def request(family: str, argv, provider) -> DryRunRequest | None:
         if raw.dry_run_json:
             raise UsageError("--dry-run-json needs --dry-run")
         return None
+    if raw.dry_run_json:  # before the report, not after it
+        if os.path.isdir(raw.dry_run_json):
+            raise UsageError(f"--dry-run-json: '{raw.dry_run_json}' is a folder, not a file")
+        check_output(os.path.dirname(os.path.abspath(raw.dry_run_json)), "--dry-run-json")
     if raw.dry_run_gpu_memory_gib <= 0 or raw.dry_run_bf16_tflops <= 0:
         raise UsageError("--dry-run-gpu-memory-gib and --dry-run-bf16-tflops must be positive")
     dp = raw.data_parallel_size or 1

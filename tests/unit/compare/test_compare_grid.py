@@ -172,7 +172,8 @@ def test_bad_config_is_one_line_exit_2(tmp_path, capsys, changes, message):
 def test_failed_job_writes_no_results(tmp_path, capsys):
     """A job that exits 1 (a stand-in script: pretrain's own failures cost seconds)."""
     entry = tmp_path / "fails.py"
-    entry.write_text("import sys\nprint('no such flag', sys.argv[1:])\nsys.exit(1)\n")
+    entry.write_text("import sys\nif '--check-flags' in sys.argv: sys.exit(0)  # flags pass\n"
+                     "print('no such flag', sys.argv[1:])\nsys.exit(1)\n")
     out = tmp_path / "out"
     (out / "img").mkdir(parents=True)
     for stale in ("results.json", "results.md", "img/gaps.png"):  # an earlier invocation's
@@ -185,6 +186,18 @@ def test_failed_job_writes_no_results(tmp_path, capsys):
     assert [line for line in err if line.startswith("error")] == [err[-1]]
     assert not any((out / f).exists() for f in ("results.json", "results.md", "img/gaps.png"))
     assert "--no-such-flag" in (out / "runs" / "bad" / "seed_1" / "train.log").read_text()
+
+
+def test_a_typo_in_one_run_is_refused_before_any_run_trains(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--seeds", "1,2", f"--base-flags={' '.join(BASE)}",
+                 "--run", "good=--precision uniform:fp4", "--run",
+                 "typo=--precison uniform:fp4", "--run", "nan=--lr nan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("error: run typo: unrecognized arguments: --precison uniform:fp4 "
+                          "(and 1 more run(s))"), err
+    assert not out.exists()  # nothing trained, nothing written
 
 
 def test_rerun_reuses_finished_and_retrains_broken(grid):

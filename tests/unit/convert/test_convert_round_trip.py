@@ -45,6 +45,8 @@ def test_bf16_stays_bf16_loads_into_fp32_and_transformers_reads_the_export(tmp_p
     assert convert("verify", "--hf-dir", hf, "--load", ckpt, "--atol", "1e-5") == 0
     assert convert("megatron-to-hf", "--load", ckpt, "--out", tmp_path / "back") == 0
     _assert_same_model(hf, tmp_path / "back")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "back").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes  # not 0600
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.bfloat16)
     reference = hf_tensors(hf)
     assert all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())

@@ -104,3 +104,62 @@ def test_works_with_torch_distributed_initialised(tmp_path, byte_dataset):
     finally:
         dist.destroy_process_group()
     assert len(train) >= 30 and len(valid) >= 5
+
+
+@pytest.fixture
+def no_hang():
+    """A hang (megatron-core's epoch loop on an empty split) fails the test after 60 s."""
+    import signal
+
+    def alarm(signum, frame):
+        raise TimeoutError("build_datasets hung")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_empty_split_that_is_asked_for_is_one_line(byte_dataset, no_hang):
+    prefix = byte_dataset("two", ["hello world", "second tiny doc"])
+    with pytest.raises(ValueError, match=re.escape(
+            f"--data-path {prefix}: --split 969,30,1 gives the validation split none of its 2 "
+            "documents; it needs 17 or more")):
+        build([prefix], split="969,30,1", samples=(4, 4, 0))
+    assert sorted(os.listdir(os.path.dirname(prefix))) == ["two.jsonl", "two_text_document.bin",
+                                                            "two_text_document.idx"]  # no cache
+
+
+def test_empty_split_no_one_asks_for_is_not_built(byte_dataset, no_hang, capsys):
+    # 100 documents: 969,30,1 gives the test split round(100) - round(99.9) = 0 of them
+    prefix = byte_dataset("hundred", [f"document {i}" for i in range(100)])
+    train, valid, test = build([prefix], split="969,30,1", samples=(20, 4, 0))
+    assert test is None and list(valid.indices) == [97, 98, 99]
+    assert list(train.indices) == list(range(97))
+    assert "note: --split 969,30,1 leaves the test split empty" in capsys.readouterr().out
+
+
+def test_documents_needed_is_the_first_count_megatron_gives_one():
+    from megatron_ext.data.checks import documents_needed, split_documents, split_matrix
+
+    # brute force over megatron-core's own rounding, independent of the search
+    for split in ("969,30,1", "98,2,0", "1,1,1", "999,1"):
+        for bookends in filter(None, split_matrix(split)):
+            first = next(n for n in range(1, 10**5) if split_documents(bookends, n) >= 1)
+            empty_below = [n for n in range(1, first) if split_documents(bookends, n) == 0]
+            assert len(empty_below) == first - 1
+            if first > 1:
+                assert documents_needed(bookends, first - 1) == first
+    assert documents_needed(split_matrix("969,30,1")[2], 471) == 501  # the issue's 471 docs
+
+
+def test_token_ids_beyond_the_tokenizer_are_refused(byte_dataset, small_corpus):
+    from megatron_ext.data.tokenizer import build_tokenizer
+
+    bpe = build_tokenizer(small_corpus.tokenizer_json)  # 1024 ids: its data fits, not bytes'
+    train, _, _ = build_datasets([small_corpus.data_prefix], "1,0,0", 16, 1, (4, 0, 0), bpe)
+    assert len(train) >= 4
+    with pytest.raises(ValueError, match=r"holds token id \d+, but the tokenizer 'byte' has 257"):
+        build_datasets([small_corpus.data_prefix], "1,0,0", 16, 1, (4, 0, 0), BYTE)
+    build_datasets([byte_dataset("b", ["abc"])], "1,0,0", 16, 1, (4, 0, 0), bpe)  # 257 < 1024

@@ -56,6 +56,29 @@ CASES = {
     "distributed timeout not positive": (["--distributed-timeout-minutes", "0"], 1,
                                          "--distributed-timeout-minutes must be positive"),
     "openai gelu with swiglu": (["--openai-gelu"], 1, "--openai-gelu selects the GeLU"),
+    # operations round 2 (issue 25)
+    "infinite lr": (["--lr", "inf"], 1, "argument --lr: must be a finite number, not 'inf'"),
+    "nan min lr": (["--min-lr", "nan"], 1, "argument --min-lr: must be a finite number"),
+    "infinite extension flag": (["--snip-budget", "inf"], 1, "argument --snip-budget: must be "
+                                                              "a finite number"),
+    "negative lr in exponent form": (["--lr", "-1e-3"], 1, "--lr and --min-lr must be >= 0"),
+    "unknown flag": (["--bogus"], 1, "unrecognized arguments: --bogus"),
+    "heads vs the preset's query groups": (["--num-attention-heads", "3"], 1,
+                                           "--num-query-groups 2 (the --model tiny preset's) "
+                                           "does not divide --num-attention-heads 3"),
+    "global batch zero": (["--global-batch-size", "0"], 1, "--global-batch-size must be positive"),
+    "split not numbers": (["--split", "abc"], 1, "--split 'abc': expected train,valid,test"),
+    "split without train": (["--split", "0,1,0"], 1, "--split '0,1,0': expected"),
+    "split of four": (["--split", "1,1,1,1"], 1, "--split '1,1,1,1': expected"),
+    "exit interval zero": (["--exit-interval", "0"], 1, "--exit-interval must be positive"),
+    "save interval zero": (["--save-interval", "0"], 1, "--save-interval must be positive"),
+    "stquant flag without its optimizer": (["--stquant-fixed-bits", "4"], 1,
+                                           "--stquant-fixed-bits need(s) --optimizer "
+                                           "stquant-adamw"),
+    "keep more bf16 layers than the model has": (["--precision", "uniform:fp4",
+                                                  "--keep-first-last-layers-bf16", "10"], 1,
+                                                 "--keep-first-last-layers-bf16 10: the model "
+                                                 "has 4 layers"),
 }
 
 
@@ -63,7 +86,51 @@ CASES = {
 def test_bad_flags(name):
     args, world_size, fragment = CASES[name]
     with pytest.raises(UsageError, match=re.escape(fragment)):
-        parse_args("llama", args, world_size=world_size)
+        _validated(args, world_size)
+
+
+def _validated(argv, world_size):
+    """What pretrain_llama.py checks before any work: the trainer's, the dry run's and every
+    extension's flags, parsed, then each extension's ``validate``."""
+    from megatron_ext.defaults import default_extensions
+    from megatron_ext.extension import args_provider, hooks
+    from megatron_ext.training import dry_run
+
+    extensions = default_extensions()
+    args = parse_args("llama", argv, dry_run.args_provider(args_provider(extensions)),
+                      world_size=world_size)
+    for validate in hooks(extensions, "validate"):
+        validate(args)
+
+
+def test_flags_accept_negative_numbers_in_exponent_form():
+    args = parse_args("llama", ["--adam-eps", "1e-8", "--init-method-std", "2e-2"],
+                      world_size=1)
+    assert args.adam_eps == 1e-8
+    with pytest.raises(UsageError, match="--clip-grad and --weight-decay >= 0"):
+        parse_args("llama", ["--weight-decay", "-1e-2"], world_size=1)  # a value, not a flag
+
+
+START_UP_CASES = {  # refused by pretrain() before any process group or file is made
+    "dry-run json under a file": (["--dry-run", "--dry-run-json", "{file}/r.json"],
+                                  "--dry-run-json: cannot write"),
+    "data cache under a file": (["--mock-data", "--data-cache-path", "{file}/cache"],
+                                "--data-cache-path: cannot write '{file}/cache'"),
+}
+
+
+@pytest.mark.parametrize("name", list(START_UP_CASES))
+def test_bad_outputs_refused_at_start_up(name, tmp_path):
+    from megatron_ext.defaults import default_extensions
+    from megatron_ext.training.pretrain import pretrain
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    args, fragment = START_UP_CASES[name]
+    argv = [a.format(file=afile) for a in args] + ["--run-dir", str(tmp_path / "run")]
+    with pytest.raises(UsageError, match=re.escape(fragment.format(file=afile))):
+        pretrain("llama", argv, default_extensions())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 def test_cli_bad_flag_is_one_line_and_exit_2(tmp_path):
@@ -73,6 +140,9 @@ def test_cli_bad_flag_is_one_line_and_exit_2(tmp_path):
     proc = _run(["--pipeline-model-parallel-size", "3"], env, tmp_path)
     _assert_one_line_error(proc, "PP=3 does not divide --num-layers 4")
     assert not (tmp_path / "run").exists()  # nothing half-written
+    proc = _run(["--lr", "inf", "--bogus"], tmp_path=tmp_path)  # argparse's own errors
+    _assert_one_line_error(proc, "error: argument --lr: must be a finite number, not 'inf'")
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # no usage text
 
 
 def test_data_path_without_tokenizer(tmp_path):
@@ -116,3 +186,56 @@ def test_transformer_engine_impl_needs_te_and_gpu():
     assert resolve_transformer_impl("auto", custom_linears=False) == "local"
     with pytest.raises(UsageError, match="needs transformer_engine installed and a CUDA GPU"):
         resolve_transformer_impl("transformer_engine", custom_linears=False)
+
+
+def _two_short_documents(folder):
+    """Two documents of a few bytes, preprocessed as the README says (byte tokenizer, EOD)."""
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+
+    folder.mkdir()
+    (folder / "two.jsonl").write_text('{"text": "hello world"}\n{"text": "second doc"}\n')
+    return preprocess(PreprocessConfig(input=str(folder / "two.jsonl"),
+                                       output_prefix=str(folder / "two"), append_eod=True),
+                      log=None).prefixes["text"]
+
+
+def test_dataset_too_small_for_its_split_is_one_line_not_a_hang(tmp_path):
+    prefix = _two_short_documents(tmp_path / "data")
+    proc = _run(["--data-path", prefix, "--tokenizer-model", "byte", "--train-iters", "2"],
+                tmp_path=tmp_path)  # megatron-core looped forever here (timeout: 180 s)
+    _assert_one_line_error(proc, f"--data-path {prefix}: --split 969,30,1 gives the validation "
+                                 "split none of its 2 documents; it needs 17 or more")
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        "two.jsonl", "two_text_document.bin", "two_text_document.idx"]  # no index cache left
+
+
+def _data_args(tmp_path, *flags):
+    return parse_args("llama", [*flags, "--split", "1,0,0", "--eval-iters", "0",
+                                "--run-dir", str(tmp_path / "run")], world_size=1)
+
+
+def test_tokenizer_file_that_is_not_a_tokenizer_json(tmp_path):
+    from megatron_ext.training.data import build_data
+
+    prefix = _two_short_documents(tmp_path / "data")
+    (tmp_path / "tok.json").write_text("not json at all")
+    with pytest.raises(UsageError, match=r"^--tokenizer-model: '.*tok.json' is not a "
+                                         r"tokenizers tokenizer.json \(.+\)$"):
+        build_data(_data_args(tmp_path, "--data-path", prefix, "--tokenizer-model",
+                              str(tmp_path / "tok.json")))
+
+
+def test_data_of_a_larger_vocabulary_than_the_tokenizer(tmp_path):
+    import tokenizers
+    from tokenizers.models import WordLevel
+
+    from megatron_ext.training.data import build_data
+
+    prefix = _two_short_documents(tmp_path / "data")  # byte ids up to 256 (EOD)
+    small = tokenizers.Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1, "<unk>": 2},
+                                           unk_token="<unk>"))
+    small.save(str(tmp_path / "small.json"))
+    with pytest.raises(UsageError, match=r"holds token id 256, but the tokenizer '.*small.json' "
+                                         r"has 3 ids: the data was tokenized with another"):
+        build_data(_data_args(tmp_path, "--data-path", prefix, "--tokenizer-model",
+                              str(tmp_path / "small.json")))

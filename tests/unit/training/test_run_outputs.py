@@ -54,3 +54,31 @@ def test_check_output_kinds(tmp_path, blocker):
     with pytest.raises(UsageError, match=r"cannot create files in '/proc'"):
         check_output("/proc/no_such_run", "--x")
     assert os.listdir(tmp_path) == ["a_file"]  # the probes left nothing
+
+
+def test_a_resume_of_a_save_root_writes_in_place(tmp_path):
+    """--load ROOT (its latest checkpoint) saves into ROOT and logs into the run folder above
+    it; one iter_* folder (a branch), --finetune, or explicit --save / --run-dir do not."""
+    from megatron_ext.training.arguments import parse_args
+
+    run = tmp_path / "runs" / "ts"
+    iter_dir = run / "checkpoints" / "iter_0000004"
+    iter_dir.mkdir(parents=True)
+    (iter_dir / "metadata.json").write_text("{}")
+    (run / "args.json").write_text("{}")
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4\n")
+
+    def outputs(*flags):
+        args = parse_args("llama", [*FAST_ARGS, *flags], world_size=1)
+        return args.run_dir, args.save
+
+    root = str(run / "checkpoints")
+    assert outputs("--load", root) == (str(run), root)
+    assert outputs("--load", root, "--save", str(tmp_path / "s")) == (str(run), str(tmp_path / "s"))
+    assert outputs("--load", root, "--run-dir", str(tmp_path / "r"))[1] == root
+    for other in (["--load", str(iter_dir)], ["--load", root, "--finetune"]):
+        run_dir, save = outputs(*other)
+        assert run_dir.startswith("runs") and save == os.path.join(run_dir, "checkpoints")
+    (run / "args.json").unlink()  # a save root that is no run's: a new run folder, same root
+    run_dir, save = outputs("--load", root)
+    assert run_dir.startswith("runs") and save == root

@@ -42,3 +42,26 @@ def test_through_pretrain(tmp_path):
             "--save", str(save), "--run-dir", str(tmp_path / "run")])
     assert _iters(save) == ["iter_0000003", "iter_0000004", "latest_checkpointed_iteration.txt"]
     assert latest_iteration(save) == 4
+
+
+def test_a_full_disk_is_recognised_however_it_is_reported(tmp_path, monkeypatch):
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from megatron_ext.training import checkpointing
+
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("Worker failure: ...")
+    wrapped.__cause__ = enospc
+    assert checkpointing._no_space(CheckpointException("save", {0: _wrap_exception(wrapped)}), str(tmp_path))
+    pickled = RuntimeError("Worker failure: [Errno 28] No space left on device: 'x.distcp'")
+    assert checkpointing._no_space(CheckpointException("save", {0: _wrap_exception(pickled)}), "/")
+    # torch's zip writer: "unexpected pos", no errno; the free space tells
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+    assert not checkpointing._no_space(zip_error, str(tmp_path))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(30 << 20, 30 << 20, 4096))
+    assert checkpointing._no_space(zip_error, str(tmp_path))

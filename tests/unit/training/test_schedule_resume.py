@@ -11,14 +11,18 @@ from pretrain_runner import FAST_ARGS, launch, read_metrics
 from megatron_ext.errors import UsageError
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.optimizer import build_scheduler
-from megatron_ext.training.schedule_resume import restore, saved_state
+from megatron_ext.training.schedule_resume import group_schedule, restore, saved_state
 
 BASE = ["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "10"]
 
 
 class _Optimizer:
-    def __init__(self):
-        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+    """Parameter groups as megatron-core's ``get_megatron_optimizer`` makes them: each holds
+    the peak and minimum LR its scheduler reads."""
+
+    def __init__(self, args):
+        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0, "max_lr": args.lr,
+                              "min_lr": args.min_lr}]
 
 
 def _cosine(step, lr, min_lr, warmup, decay):
@@ -32,11 +36,16 @@ def _cosine(step, lr, min_lr, warmup, decay):
 
 
 def _schedule(flags, saved=None, steps=0):
-    """(scheduler, the line restore printed, the LRs of the next ``steps`` steps)."""
-    opt = _Optimizer()
-    scheduler = build_scheduler(parse_args("llama", [*BASE, *flags, "--no-save"],
-                                           world_size=1), opt)
-    line = restore(scheduler, saved) if saved is not None else None
+    """(scheduler, the line restore printed, the LRs of the next ``steps`` steps). With
+    ``saved``, as ``Checkpointer.load``: the optimizer state (its groups) is loaded first."""
+    args = parse_args("llama", [*BASE, *flags, "--no-save"], world_size=1)
+    opt = _Optimizer(args)
+    scheduler = build_scheduler(args, opt)
+    line = None
+    if saved is not None:
+        flag_groups = group_schedule(opt)
+        opt.param_groups[0].update(saved["groups"][0])
+        line = restore(scheduler, saved, flag_groups)
     lrs = []
     for _ in range(steps):
         lrs.append(opt.param_groups[0]["lr"])
@@ -48,7 +57,7 @@ def _schedule(flags, saved=None, steps=0):
 def after_100():
     """The state a 100-step run saves."""
     scheduler, _, _ = _schedule(["--train-iters", "100"], steps=100)
-    return saved_state(scheduler)
+    return {**saved_state(scheduler), "groups": group_schedule(scheduler.optimizer)}
 
 
 def test_a_longer_run_must_say_which_schedule(after_100):
@@ -74,6 +83,18 @@ def test_override_takes_the_flags_at_the_saved_step(after_100):
     assert "the flags' (--override-opt_param-scheduler)" in line
 
 
+def test_override_takes_a_new_peak_and_minimum_lr(after_100):
+    # megatron's scheduler reads the peak / minimum LR from the optimizer's parameter groups,
+    # which the checkpoint's optimizer state brings back: override must put the flags' there
+    flags = ["--train-iters", "200", "--lr", "0.5", "--min-lr", "0.05"]
+    _, _, lrs = _schedule([*flags, "--override-opt_param-scheduler"], after_100, 2)
+    _, _, fresh = _schedule(flags, steps=102)
+    assert lrs == pytest.approx(fresh[100:], rel=1e-12)
+    assert lrs == pytest.approx([_cosine(s, 0.5, 0.05, 10, 200) for s in (100, 101)], rel=1e-12)
+    _, _, kept = _schedule([*flags, "--use-checkpoint-opt_param-scheduler"], after_100, 1)
+    assert kept == [0.1]  # the checkpoint's minimum LR, from its groups
+
+
 def test_matching_flags_need_no_choice(after_100):
     _, line, lrs = _schedule(["--train-iters", "300", "--lr-decay-iters", "100"], after_100, 1)
     assert lrs == [0.1] and "the flags agree" in line  # --train-iters alone is no schedule
@@ -82,7 +103,7 @@ def test_matching_flags_need_no_choice(after_100):
 def test_wsd_decay_is_saved_and_compared():
     wsd = ["--lr-decay-style", "WSD", "--train-iters", "100"]
     scheduler, _, _ = _schedule([*wsd, "--lr-wsd-decay-iters", "20"], steps=50)
-    saved = saved_state(scheduler)
+    saved = {**saved_state(scheduler), "groups": group_schedule(scheduler.optimizer)}
     with pytest.raises(UsageError, match="--lr-wsd-decay-iters 20 in the checkpoint, 30 now"):
         _schedule([*wsd, "--lr-wsd-decay-iters", "30"], saved)
     kept, _, _ = _schedule([*wsd, "--lr-wsd-decay-iters", "30",
@@ -99,8 +120,15 @@ def test_through_pretrain(tmp_path):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--lr-decay-iters 4 in the checkpoint, 6 now" in errors[0]
-    proc = launch([*resume, "--override-opt_param-scheduler", "--run-dir", str(tmp_path / "c")])
-    assert "LR schedule: the flags' (--override-opt_param-scheduler)" in proc.stdout
+    new_lr = ["--lr", "1e-3", "--min-lr", "1e-4"]  # not the checkpoint's (3e-3, 3e-4)
+    proc = launch([*resume, *new_lr, "--override-opt_param-scheduler",
+                   "--run-dir", str(tmp_path / "c")])
+    assert "LR schedule: the flags' (--override-opt_param-scheduler): cosine from 0.001 to " \
+           "0.0001" in proc.stdout
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "c") if "lr" in r}
-    # FAST_ARGS: --lr 3e-3, --min-lr 3e-4 (defaults), warm-up 1; step 5 runs at step 4's LR
-    assert lrs[5] == pytest.approx(_cosine(4, 3e-3, 3e-4, 1, 6), rel=1e-6)
+    # a fresh run of these flags (warm-up 1: FAST_ARGS) runs step 5 at its scheduler's step-4 LR
+    fresh = build_scheduler(parse_args("llama", [*resume, *new_lr], world_size=1), _Optimizer(
+        parse_args("llama", [*resume, *new_lr], world_size=1)))
+    fresh.step(increment=4)
+    assert lrs[5] == pytest.approx(fresh.optimizer.param_groups[0]["lr"], rel=1e-6)
+    assert lrs[5] == pytest.approx(_cosine(4, 1e-3, 1e-4, 1, 6), rel=1e-6)
