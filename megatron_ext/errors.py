@@ -3,7 +3,6 @@ wrapper that turns it into one line on stderr and exit status 2."""
 
 import argparse
 import sys
-import warnings
 
 
 class UsageError(Exception):
@@ -21,9 +20,6 @@ class OneLineParser(argparse.ArgumentParser):
 def run_cli(run, argv=None) -> int:
     """Call ``run(argv)`` (``sys.argv[1:]`` by default); a ``UsageError`` or ``ValueError``
     becomes one ``error:`` line on stderr and exit status 2."""
-    # megatron-core warns at import about GPU libraries (TE, Apex) CPU tools never use
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         run(sys.argv[1:] if argv is None else list(argv))
     except (UsageError, ValueError) as exc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -133,9 +132,6 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
 
 def main(family: str, extensions: list[ext.Extension] = ()) -> int:
     """CLI wrapper: bad input -> one line on stderr and exit status 2."""
-    # megatron-core warns at import about optional GPU libraries (TE, Apex) that CPU runs
-    # never use; they would bury the one line a user needs to read.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
         with peer_loss_reported():  # a dead or stalled rank: one line (training/peers.py)
             pretrain(family, extensions=extensions)
