@@ -92,13 +92,17 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     return run
 
 
-def _announce(family: str, args, run: TrainingRun) -> None:
+def _announce(family: str, args, run: TrainingRun, extensions: list[ext.Extension]) -> None:
+    """The model line, then one line per feature the run uses (``Extension.describe``)."""
     n_params = sum(p.numel() for c in run.model for p in c.parameters())
-    print(f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
-          f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-          f"DP={args.data_parallel} | {args.num_microbatches} "
-          f"micro-batch{'es' if args.num_microbatches != 1 else ''}/step | "
-          f"run dir {args.run_dir}", flush=True)
+    lines = [f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
+             f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+             f"DP={args.data_parallel} | {args.num_microbatches} "
+             f"micro-batch{'es' if args.num_microbatches != 1 else ''}/step | "
+             f"run dir {args.run_dir}"]
+    lines += [line for describe in ext.hooks(extensions, "describe")
+              if (line := describe(args)) is not None]
+    print("\n".join(lines), flush=True)
 
 
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
@@ -122,7 +126,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     if dist.get_rank() == 0:
         _write_args(args)
         logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir)
-        _announce(family, args, run)
+        _announce(family, args, run, extensions)
     try:
         return train(args, run, logger, extensions)
     finally:
