@@ -105,6 +105,17 @@ def _announce(family: str, args, run: TrainingRun, extensions: list[ext.Extensio
     print("\n".join(lines), flush=True)
 
 
+def parse_and_validate(family: str, argv, extensions: list[ext.Extension]):
+    """``(args, simulated launch or None)``: the flags parsed as pretrain parses them (with
+    ``--dry-run``'s), checked by every extension's ``validate``; ``UsageError`` if bad."""
+    provider = dry_run.args_provider(ext.args_provider(extensions))
+    simulated = dry_run.request(family, argv, provider)
+    args = parse_args(family, argv, provider, simulated and simulated.world_size)
+    for validate in ext.hooks(extensions, "validate"):
+        validate(args)
+    return args, simulated
+
+
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     """Train a ``family`` ("llama" / "gpt") model; returns the final TrainState (with
     ``--dry-run``: the DryRunReport, and nothing is started)."""
@@ -112,11 +123,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     from megatron_ext.training.metrics import MetricsLogger
 
     extensions = list(extensions)
-    provider = dry_run.args_provider(ext.args_provider(extensions))
-    simulated = dry_run.request(family, argv, provider)
-    args = parse_args(family, argv, provider, simulated and simulated.world_size)
-    for validate in ext.hooks(extensions, "validate"):
-        validate(args)
+    args, simulated = parse_and_validate(family, argv, extensions)
     if simulated:
         return dry_run.run(args, simulated, extensions)
     check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_ext import extension as ext
 from megatron_ext.defaults import default_extensions
-from megatron_ext.training.arguments import parse_args
+from megatron_ext.training.pretrain import parse_and_validate
 
 METHODS = {
     "snip": (["--precision", "snip", "--snip-budget", "0.75"], ["E_t 0.75", "step 50"]),
@@ -22,9 +22,7 @@ def start_lines(argv: list[str]) -> list[str]:
     """The ``describe`` lines a run with ``argv`` prints (flags parsed and validated as
     pretrain does, nothing built)."""
     extensions = default_extensions()
-    args = parse_args("llama", ["--mock-data", *argv], ext.args_provider(extensions), 1)
-    for validate in ext.hooks(extensions, "validate"):
-        validate(args)
+    args, _ = parse_and_validate("llama", ["--mock-data", *argv], extensions)
     return [line for describe in ext.hooks(extensions, "describe")
             if (line := describe(args)) is not None]
 
