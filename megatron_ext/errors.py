@@ -5,7 +5,6 @@ import argparse
 import math
 import re
 import sys
-import warnings
 
 
 class UsageError(Exception):
@@ -40,9 +39,6 @@ def finite_float(text: str) -> float:
 def run_cli(run, argv=None) -> int:
     """Call ``run(argv)`` (``sys.argv[1:]`` by default); a ``UsageError`` or ``ValueError``
     becomes one ``error:`` line on stderr and exit status 2."""
-    # megatron-core warns at import about GPU libraries (TE, Apex) CPU tools never use
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         run(sys.argv[1:] if argv is None else list(argv))
     except (UsageError, ValueError) as exc:

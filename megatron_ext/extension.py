@@ -83,6 +83,10 @@ class Extension:
     validate: Callable[[argparse.Namespace], None] | None = None
     """Checks the parsed flags; raises ``UsageError`` with a one-line message. Runs for the
     dry run too."""
+    describe: Callable[[argparse.Namespace], str | None] | None = None
+    """``describe(args)`` -> the one start-up line saying the feature is on and with what
+    settings (``"snip: on | ..."``), or None when the run does not use it; rank 0 prints it
+    after the model line. Called after ``validate``."""
     linear_classes: Callable[[argparse.Namespace], Callable[[int, str], type] | None] | None \
         = None
     """Returns ``(global layer, site) -> linear class`` for the layer specs, or None (at most one

@@ -32,6 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="path of a tokenizers tokenizer.json, or 'byte' (default) for the byte tokenizer",
     )
     parser.add_argument(
+        "--eod-token",
+        default=None,
+        help="the tokenizer.json's end-of-document token, e.g. '</s>' (default: the eos_token "
+        "of a tokenizer_config.json beside it, else the first of <|endoftext|> "
+        "<|end_of_text|> </s> <eos> it has)",
+    )
+    parser.add_argument(
         "--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)"
     )
     parser.add_argument("--append-eod", action="store_true", help="end each document with EOD")
@@ -48,6 +55,7 @@ def _run(argv: list[str]) -> None:
         input=args.input,
         output_prefix=args.output_prefix,
         tokenizer_model=args.tokenizer_model,
+        eod_token=args.eod_token,
         json_keys=tuple(args.json_keys),
         append_eod=args.append_eod,
         workers=args.workers,

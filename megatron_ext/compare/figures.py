@@ -1,12 +1,15 @@
 """The PNGs of a comparison, in ``OUT/img`` (matplotlib's Agg canvas, written atomically).
 
 * ``loss_<group>.png`` and ``loss_<group>_end.png`` — SNIP Fig. 8 in small: the mean over the
-  seeds of every run's training loss (trailing mean of ``T/20`` steps) and validation loss, per
+  seeds of every run's training loss (smoothed over ``T/20`` records, centred: see
+  ``viz.plots.loss_curves``) and validation loss, per
   step, for the runs of one group together with the runs outside every group (the
   references); all steps, and the second half. Without ``group_by``: ``loss.png`` and
   ``loss_end.png`` with every run.
 * ``gaps.png`` — each run's paired difference to the reference (mean over seeds, error bar =
-  one standard error), bars coloured by group; only with a reference.
+  one standard error, the gap in % of the reference's loss written on the bar), bars coloured
+  by group; only with a reference. The y axis spans at least ±:data:`GAP_AXIS_FLOOR_PCT` % of
+  the reference's loss, so a 0.01 % gap is a small bar, not a full-height one.
 * ``tradeoff.png`` — quality against the estimated step time (PGQ Fig. 5 in small): each run at
   the cost model's GEMM time relative to all-BF16 (x) and its paired difference to the
   reference (y; its final validation loss without a reference), whiskers one standard error,
@@ -81,9 +84,39 @@ def loss_figures(grid: Grid, metrics: Metrics, img: Path) -> list[Path]:
     return paths
 
 
+GAP_AXIS_FLOOR_PCT = 0.5
+"""The gaps' y axis spans at least ± this % of the reference's final validation loss."""
+
+
 def gap_figure(results: dict, img: Path) -> Path | None:
+    """``gaps.png`` (module docstring); None without a reference."""
+    from megatron_ext.viz.plots import save_png
+
+    fig = gap_plot(results)
+    if fig is None:
+        return None
+    path = img / "gaps.png"
+    save_png(fig, str(path))
+    return path
+
+
+def _gap_axis(ax, results: dict, runs: list) -> None:
+    """Symmetric y limits, at least the floor; each bar labelled with its relative gap."""
+    ref_loss = results["runs"][results["grid"]["reference"]]["val_loss"]["mean"]
+    reach = max(abs(r["vs_reference"]["mean"]) + (r["vs_reference"]["se"] or 0.0)
+                for _, r in runs)
+    top = max(GAP_AXIS_FLOOR_PCT / 100 * abs(ref_loss), 1.2 * reach)
+    ax.set_ylim(-top, top)
+    for x, (_, run) in enumerate(runs):
+        diff = run["vs_reference"]
+        ax.annotate(f"{diff['rel_pct']:+.2f}%", (x, diff["mean"]), ha="center", fontsize=7,
+                    va="bottom" if diff["mean"] >= 0 else "top",
+                    xytext=(0, 2 if diff["mean"] >= 0 else -2), textcoords="offset points")
+
+
+def gap_plot(results: dict):
     """Bars of the paired difference to the reference with standard-error whiskers."""
-    from megatron_ext.viz.plots import new_figure, save_png
+    from megatron_ext.viz.plots import new_figure
 
     ref = results["grid"]["reference"]
     runs = [(n, r) for n, r in results["runs"].items() if r["vs_reference"]]
@@ -102,17 +135,17 @@ def gap_figure(results: dict, img: Path) -> Path | None:
         ax.bar(x, diff["mean"], color=f"C{groups.index(group) % 10}", yerr=diff["se"],
                capsize=3, label=label)
     ax.axhline(0.0, color="black", linewidth=0.8)
+    _gap_axis(ax, results, runs)
     ax.set_xticks(range(len(runs)), [n for n, _ in runs], rotation=60, ha="right",
                   fontsize=8)
     ax.set_ylabel(f"final val loss − {ref} (paired)")
     ax.grid(True, axis="y", alpha=0.3)
     if flag:
         ax.legend(fontsize=8)
-    ax.set_title(f"gap to {ref}: {seeds_text(len(results['grid']['seeds']))} ± standard error",
-                 fontsize=9)
-    path = img / "gaps.png"
-    save_png(fig, str(path))
-    return path
+    seeds = len(results["grid"]["seeds"])
+    spread = "± standard error" if seeds > 1 else "no error bars: one seed cannot show noise"
+    ax.set_title(f"gap to {ref}: {seeds_text(seeds)}, {spread}", fontsize=9)
+    return fig
 
 
 def tradeoff_points(results: dict) -> list[tuple[str, float, float, float | None, object]]:

@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import warnings
 
 from megatron_ext.training.arguments import HelpFormatter
 from megatron_ext.training.distributed import resolve_launch
@@ -167,10 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; bad input -> ``error:`` line on stderr, exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    # megatron-core warns at import about GPU libraries a conversion never uses, and torch
-    # about APIs megatron-core still calls; neither is for the user of this tool
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         return COMMANDS[args.command](args, argv)
     except UsageError as exc:

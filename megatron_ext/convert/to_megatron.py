@@ -17,13 +17,13 @@ reshards global tensors to whatever layout ``--load`` runs at.
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from collections import Counter
 
 import torch
 
 from megatron_ext.convert.families import HFFamily, TensorMap
+from megatron_ext.convert.follow_up import follow_up
 from megatron_ext.convert.hf_files import CONFIG, HFCheckpoint, read_json, write_json
 from megatron_ext.convert.megatron_files import (
     build_model,
@@ -112,16 +112,6 @@ def checkpoint_dtype(ckpt: HFCheckpoint) -> tuple[str, list[str]]:
     return name, mixed if len(counts) > 1 else []
 
 
-def _announce(spec: ModelSpec, hf_dir: str, out: str, tp: int, pp: int) -> None:
-    script = f"pretrain_{spec.arch.family}.py"
-    launch = [script] if tp * pp == 1 else ["torchrun", "--nproc-per-node", str(tp * pp), script]
-    layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-    print(f"converted {spec.family.architecture} '{hf_dir}' -> '{out}' ({spec.dtype})\n"
-          f"model flags (also in {os.path.join(out, SIDECAR)}):\n  {shlex.join(spec.flags())}\n"
-          f"continue training from it with:\n  "
-          f"{shlex.join([*launch, '--load', out, *layout, *spec.flags()])}", flush=True)
-
-
 def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1,
                    divisible_by: int = 128) -> ModelSpec:
     """Convert ``hf_dir`` into the megatron checkpoint directory ``out``; returns the spec."""
@@ -142,5 +132,6 @@ def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1,
         with atomic_output_dir(out) as tmp:
             save_weights(model, HFTensorSource(ckpt, maps), tmp, {COMMON_KEY: spec.to_json()})
             write_json(os.path.join(tmp, SIDECAR), spec.to_json())
-    _announce(spec, hf_dir, out, tp, pp)
+    print(f"converted {spec.family.architecture} '{hf_dir}' -> '{out}' ({spec.dtype})\n"
+          + follow_up(spec, hf_dir, out, tp, pp), flush=True)
     return spec

@@ -49,6 +49,8 @@ class PreprocessConfig:
     """Output path prefix; key ``K`` is written to ``{output_prefix}_{K}_document.bin/.idx``."""
     tokenizer_model: str | None = None
     """A ``tokenizer.json`` path, or ``None``/``"byte"`` for the byte tokenizer."""
+    eod_token: str | None = None
+    """The tokenizer.json's end-of-document token (``None``: see ``build_tokenizer``)."""
     json_keys: tuple[str, ...] = ("text",)
     """The keys of each JSON object to tokenize; each gets its own dataset."""
     append_eod: bool = False
@@ -99,7 +101,7 @@ def preprocess(config: PreprocessConfig, log: TextIO | None = sys.stderr) -> Pre
     prefixes = {key: dataset_prefix(config.output_prefix, key) for key in config.json_keys}
     folder = os.path.dirname(os.path.abspath(config.output_prefix))
     check_output(folder, "--output-prefix")
-    tokenizer = build_tokenizer(config.tokenizer_model)
+    tokenizer = build_tokenizer(config.tokenizer_model, config.eod_token)
     encoder = _Encoder(tokenizer, config.json_keys, config.append_eod, config.input)
     progress = _Progress(os.path.getsize(config.input), config.log_interval, log)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
@@ -112,7 +114,9 @@ def preprocess(config: PreprocessConfig, log: TextIO | None = sys.stderr) -> Pre
     if log is not None:
         print(
             f"wrote {progress.docs} docs, {writer.num_tokens} tokens in {seconds:.1f}s "
-            f"({progress.docs / max(seconds, 1e-9):.0f} docs/s) -> "
+            f"({progress.docs / max(seconds, 1e-9):.0f} docs/s; vocab {tokenizer.vocab_size}"
+            + (f", end of document {tokenizer.eod_token!r} = id {tokenizer.eod}"
+               if config.append_eod else "") + ") -> "
             + ", ".join(f"{prefix}.bin/.idx" for prefix in prefixes.values()),
             file=log,
         )

@@ -18,10 +18,12 @@ Two kinds exist:
 
 * ``ByteTokenizer`` -- needs no file: ids 0..255 are the UTF-8 bytes, id 256 is EOD.
 * ``JsonTokenizer`` -- a Hugging Face ``tokenizers`` ``tokenizer.json`` (for example the BPE
-  tokenizer trained by ``megatron_ext.data.corpus``) whose EOD is the special token
-  ``<|endoftext|>``.
+  tokenizer trained by ``megatron_ext.data.corpus``, or a Llama's own). Its EOD is the token
+  named by ``--eod-token``, else the ``eos_token`` of a ``tokenizer_config.json`` beside it (what
+  Megatron-LM's ``HuggingFaceTokenizer`` uses), else the first of :data:`EOD_CANDIDATES` it has.
 """
 
+import json
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -30,7 +32,11 @@ import tokenizers
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 EOD_TOKEN = "<|endoftext|>"
-"""Text form of the end-of-document token, shared by every tokenizer of this package."""
+"""Text form of the end-of-document token of this package's own tokenizers."""
+
+EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+"""End-of-document tokens looked for, in this order (GPT-2 / this corpus, Llama 3, Llama 2 /
+Mistral, Gemma), when neither ``--eod-token`` nor a ``tokenizer_config.json`` names one."""
 
 
 class Tokenizer(MegatronTokenizerBase):
@@ -61,6 +67,9 @@ class Tokenizer(MegatronTokenizerBase):
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens: ids 0..255 are bytes, id 256 is the end-of-document token."""
+
+    eod_token = EOD_TOKEN
+    """Text form of the end-of-document token (how ``detokenize`` shows it)."""
 
     def __init__(self) -> None:
         super().__init__(path="byte")
@@ -99,12 +108,12 @@ class ByteTokenizer(Tokenizer):
 class JsonTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` model loaded from a ``tokenizer.json`` file.
 
-    The file must define the special token ``<|endoftext|>``, which becomes ``eod``.
+    ``eod`` is the id of ``eod_token`` (see the module docstring for how it is found).
     Special tokens written literally in the input text are encoded as ordinary text, so
     only the preprocessing step (``append_eod``) ever produces the EOD id.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, eod_token: str | None = None) -> None:
         super().__init__(path=os.path.abspath(path))
         try:
             self._tokenizer = tokenizers.Tokenizer.from_file(self.path)
@@ -113,10 +122,9 @@ class JsonTokenizer(Tokenizer):
             raise ValueError(f"--tokenizer-model: '{self.path}' is not a tokenizers "
                              f"tokenizer.json ({reason})") from None
         self._tokenizer.encode_special_tokens = True
-        eod = self._tokenizer.token_to_id(EOD_TOKEN)
-        if eod is None:
-            raise ValueError(f"{self.path} has no {EOD_TOKEN} token to use as end-of-document")
-        self._eod = eod
+        self.eod_token = _eod_token(self._tokenizer, self.path, eod_token)
+        """Text form of the end-of-document token."""
+        self._eod = self._tokenizer.token_to_id(self.eod_token)
 
     def tokenize(self, text: str) -> list[int]:
         """Encode ``text`` without adding any special tokens."""
@@ -128,7 +136,7 @@ class JsonTokenizer(Tokenizer):
 
     @property
     def eod(self) -> int:
-        """The id of ``<|endoftext|>``."""
+        """The id of ``eod_token``."""
         return self._eod
 
     @property
@@ -142,21 +150,51 @@ class JsonTokenizer(Tokenizer):
         return self._tokenizer.get_vocab(with_added_tokens=True)
 
 
-def build_tokenizer(tokenizer_model: str | None) -> Tokenizer:
+def _config_eos(path: str) -> str | None:
+    """``eos_token`` of the ``tokenizer_config.json`` beside ``path``, if there is one."""
+    config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config, encoding="utf-8") as stream:
+        eos = json.load(stream).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def _eod_token(tokenizer: tokenizers.Tokenizer, path: str, named: str | None) -> str:
+    """The end-of-document token: ``named``, else the config's EOS, else a known name."""
+    if named is not None:
+        if tokenizer.token_to_id(named) is None:
+            raise ValueError(f"--eod-token {named!r}: {path} has no such token")
+        return named
+    eos = _config_eos(path)
+    if eos is not None and tokenizer.token_to_id(eos) is not None:
+        return eos
+    for name in EOD_CANDIDATES:
+        if tokenizer.token_to_id(name) is not None:
+            return name
+    raise ValueError(f"{path} has none of the end-of-document tokens {' '.join(EOD_CANDIDATES)}"
+                     " and no tokenizer_config.json eos_token: name one with --eod-token")
+
+
+def build_tokenizer(tokenizer_model: str | None, eod_token: str | None = None) -> Tokenizer:
     """Return the tokenizer named by ``tokenizer_model``.
 
     ``None`` or ``"byte"`` gives the built-in ``ByteTokenizer`` (vocab 257); anything else is
-    read as the path of a ``tokenizers`` ``tokenizer.json``.
+    read as the path of a ``tokenizers`` ``tokenizer.json`` whose end-of-document token is
+    ``eod_token`` (``None``: found as the module docstring says).
 
     Raises:
         FileNotFoundError: the path does not name a file.
-        ValueError: the file is not a tokenizer.json, or has no ``<|endoftext|>`` token.
+        ValueError: the file is not a tokenizer.json, no end-of-document token, or ``eod_token`` with the byte tokenizer.
     """
     if tokenizer_model is None or tokenizer_model == "byte":
+        if eod_token is not None:
+            raise ValueError("--eod-token needs a tokenizer.json (--tokenizer-model); the byte "
+                             "tokenizer's end of document is always id 256")
         return ByteTokenizer()
     if not os.path.isfile(tokenizer_model):
         raise FileNotFoundError(
             f"tokenizer model not found: {tokenizer_model} "
             "(expected a tokenizers tokenizer.json, or 'byte')"
         )
-    return JsonTokenizer(tokenizer_model)
+    return JsonTokenizer(tokenizer_model, eod_token)

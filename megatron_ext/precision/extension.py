@@ -10,8 +10,10 @@ nothing (megatron's own linears, bit for bit). With one:
 2. ``linear_classes`` makes every site the one quantized megatron linear;
 3. ``after_setup`` commits the plan and registers the controller with the checkpointer;
 4. ``before_step`` commits whatever methods changed since the last step: the effective plan is
-   applied on every rank, its hash all-gathered (every rank must hold the same plan), the FLOP
-   split printed on rank 0 and the plan written to ``<run dir>/precision_plan.json``;
+   applied on every rank, its hash all-gathered (every rank must hold the same plan) and the
+   plan written to ``<run dir>/precision_plan.json``; rank 0 prints the FLOP split of the first
+   plan, then of later ones at most once per :data:`PLAN_LINE_EVERY` steps, with the number of
+   changes since the last line (GNMR changes the plan every few steps);
 5. ``on_step`` adds the FLOP fractions, the plan hash and, on a step that switched plans, the
    list of changed sites to the step's metrics.
 
@@ -39,6 +41,8 @@ from megatron_ext.precision.plan import PrecisionPlan, apply_plan, load_plan, sa
 
 PLAN_FILE = "precision_plan.json"
 """The plan in force, in the run directory (written by rank 0 whenever it changes)."""
+PLAN_LINE_EVERY = 50
+"""Steps between two ``precision: plan`` console lines (every change is in the metrics)."""
 OWNER = "precision"
 """Owner name of the platform's own overlays."""
 
@@ -108,6 +112,10 @@ class PrecisionRun:
         """Sites the last commit changed, until ``on_step`` reports them."""
         self.model = None
         self.args = None
+        self.printed_at: int | None = None
+        """The step of the last ``precision: plan`` line (None: none yet)."""
+        self.unprinted = 0
+        """Plan changes since that line."""
 
     def validate(self, args) -> None:
         plan = flags_plan(args)
@@ -128,19 +136,21 @@ class PrecisionRun:
         self.model, self.args = run.model, args
         if dist.get_rank() == 0:
             print(describe(args.fp8_execution, _model_device(run.model)), flush=True)
-        self.commit()
+        self.commit(state.iteration)
         run.checkpointer.register("precision_plan", self)
 
     def before_step(self, args, run, state) -> None:
         if self.model is not None:
-            self.commit()
+            self.commit(state.iteration)
 
-    def commit(self) -> None:
+    def commit(self, step: int | None = None) -> None:
         """Apply the controller's effective plan if it changed (every rank, same step): fill in
         this layout's per-stage FP4 fractions, apply, check every rank holds the same plan; on
-        rank 0 print the split and write :data:`PLAN_FILE`."""
+        rank 0 write :data:`PLAN_FILE` and print the split (:meth:`_print`). ``step`` None
+        (a restored checkpoint plan) prints at once."""
         changed = self.controller.changes()
         if changed is None:
+            self._print(step)
             return
         plan = self.controller.effective()
         report = flop_report(plan.formats, ModelShape.from_args(self.args))
@@ -149,10 +159,23 @@ class PrecisionRun:
         verify_same_plan(plan)
         self.controller.applied, self.report = plan, report
         self.changed = changed if self.changed is None else sorted({*self.changed, *changed})
-        if dist.get_rank() == 0:
-            print(_summary(plan, report), flush=True)
-            if getattr(self.args, "run_dir", None):
-                save_plan(plan, os.path.join(self.args.run_dir, PLAN_FILE))
+        self.unprinted += 1
+        if dist.get_rank() == 0 and getattr(self.args, "run_dir", None):
+            save_plan(plan, os.path.join(self.args.run_dir, PLAN_FILE))
+        self._print(step)
+
+    def _print(self, step: int | None) -> None:
+        """Rank 0: the plan line, unless one was printed less than PLAN_LINE_EVERY steps ago
+        (then it waits: a later call prints the plan in force and the count of changes)."""
+        if not self.unprinted or dist.get_rank() != 0:
+            return
+        if None not in (step, self.printed_at) and step - self.printed_at < PLAN_LINE_EVERY:
+            return
+        count = (f" | {self.unprinted} plan changes since step {self.printed_at}"
+                 if self.unprinted > 1 else "")
+        print(_summary(self.controller.applied, self.report) + count, flush=True)
+        self.printed_at = step if step is not None else self.printed_at
+        self.unprinted = 0
 
     def on_step(self, args, run, state) -> dict | None:
         if self.controller.applied is None:

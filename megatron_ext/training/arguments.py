@@ -152,6 +152,10 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
     g.add_argument("--tokenizer-model", default=None,
                    help="tokenizer.json (HF tokenizers) or 'byte'; default: the corpus' BPE")
+    g.add_argument("--eod-token", default=None,
+                   help="the tokenizer.json's end-of-document token, e.g. '</s>' (not in "
+                        "Megatron-LM; default: the eos_token of a tokenizer_config.json beside "
+                        "it, else the first of <|endoftext|> <|end_of_text|> </s> <eos> it has)")
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
     g.add_argument("--data-cache-path", default=None, help="where dataset index caches go")
 

@@ -34,7 +34,7 @@ def build_data(args: argparse.Namespace):
         raise UsageError("--data-path needs --tokenizer-model (the tokenizer.json, or 'byte', "
                          "the data was preprocessed with)")
     try:
-        tokenizer = build_tokenizer(tokenizer_model)
+        tokenizer = build_tokenizer(tokenizer_model, args.eod_token)
         train, valid, _ = build_datasets(
             data_path, args.split, args.seq_length, args.seed,
             (args.train_iters * args.global_batch_size,

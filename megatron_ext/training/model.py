@@ -135,6 +135,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # two directions on separate communicators.
         batch_p2p_comm=torch.cuda.is_available(),
         perform_initialization=True,
+        cuda_graph_scope=[],  # megatron's default "full" is deprecated (it warns): same meaning
     )
 
 

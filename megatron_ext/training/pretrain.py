@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -97,13 +96,28 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     return run
 
 
-def _announce(family: str, args, run: TrainingRun) -> None:
+def _announce(family: str, args, run: TrainingRun, extensions: list[ext.Extension]) -> None:
+    """The model line, then one line per feature the run uses (``Extension.describe``)."""
     n_params = sum(p.numel() for c in run.model for p in c.parameters())
-    print(f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
-          f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-          f"DP={args.data_parallel} | {args.num_microbatches} "
-          f"micro-batch{'es' if args.num_microbatches != 1 else ''}/step | "
-          f"run dir {args.run_dir}", flush=True)
+    lines = [f"{family} '{args.model}': {n_params:,} parameters on rank 0 | TP="
+             f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+             f"DP={args.data_parallel} | {args.num_microbatches} "
+             f"micro-batch{'es' if args.num_microbatches != 1 else ''}/step | "
+             f"run dir {args.run_dir}"]
+    lines += [line for describe in ext.hooks(extensions, "describe")
+              if (line := describe(args)) is not None]
+    print("\n".join(lines), flush=True)
+
+
+def parse_and_validate(family: str, argv, extensions: list[ext.Extension]):
+    """``(args, simulated launch or None)``: the flags parsed as pretrain parses them (with
+    ``--dry-run``'s), checked by every extension's ``validate``; ``UsageError`` if bad."""
+    provider = dry_run.args_provider(ext.args_provider(extensions))
+    simulated = dry_run.request(family, argv, provider)
+    args = parse_args(family, argv, provider, simulated and simulated.world_size)
+    for validate in ext.hooks(extensions, "validate"):
+        validate(args)
+    return args, simulated
 
 
 def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
@@ -113,11 +127,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     from megatron_ext.training.metrics import MetricsLogger
 
     extensions = list(extensions)
-    provider = dry_run.args_provider(ext.args_provider(extensions))
-    simulated = dry_run.request(family, argv, provider)
-    args = parse_args(family, argv, provider, simulated and simulated.world_size)
-    for validate in ext.hooks(extensions, "validate"):
-        validate(args)
+    args, simulated = parse_and_validate(family, argv, extensions)
     if simulated:
         return dry_run.run(args, simulated, extensions)
     check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
@@ -131,7 +141,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
         _write_args(args)
         logger = MetricsLogger(args.run_dir, args.train_iters, args.tensorboard_dir,
                                run.state.iteration if args.load else None)
-        _announce(family, args, run)
+        _announce(family, args, run, extensions)
     try:
         return train(args, run, logger, extensions)
     finally:
@@ -141,9 +151,6 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
 
 def main(family: str, extensions: list[ext.Extension] = ()) -> int:
     """CLI wrapper: bad input -> one line on stderr and exit status 2."""
-    # megatron-core warns at import about optional GPU libraries (TE, Apex) that CPU runs
-    # never use; they would bury the one line a user needs to read.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
         with peer_loss_reported():  # a dead or stalled rank: one line (training/peers.py)
             pretrain(family, extensions=extensions)

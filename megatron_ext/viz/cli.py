@@ -102,7 +102,9 @@ def _add_loss(sub) -> None:
     p.add_argument("--labels", help="comma-separated legend labels, one per run "
                                     "(default: the directory names)")
     p.add_argument("--smooth", type=_positive_int, default=1, metavar="N",
-                   help="plot the training loss as the mean of the last N records (default 1)")
+                   help="smooth the training loss: a quadratic fitted to each record and the "
+                        "N // 2 on each side (centred: no lag behind the validation loss; "
+                        "default 1: raw)")
     p.add_argument("--from-step", type=int, default=0, metavar="STEP",
                    help="plot only steps >= STEP, so the y axis shows the end of training "
                         "(default 0: all)")

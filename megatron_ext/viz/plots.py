@@ -282,11 +282,23 @@ def divergence_heatmap(div, option: str, metric: str) -> Figure:
 # ---------------------------------------------------------------------------------- loss
 
 
+def _savgol_weights(m: int) -> np.ndarray:
+    """Weights of the centre value of a least-squares quadratic through 2m + 1 equally spaced
+    points (Savitzky-Golay): 3 (3m² + 3m - 1 - 5k²) / ((2m - 1)(2m + 1)(2m + 3)), k = -m..m."""
+    if m == 0:
+        return np.ones(1)
+    k = np.arange(-m, m + 1)
+    return 3 * (3 * m * m + 3 * m - 1 - 5 * k * k) / ((2 * m - 1) * (2 * m + 1) * (2 * m + 3))
+
+
 def _smoothed(values: list[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` records (the first ones over what there is)."""
-    cumulative = np.cumsum([0.0, *values])
-    return [(cumulative[i + 1] - cumulative[max(0, i + 1 - window)]) / min(window, i + 1)
-            for i in range(len(values))]
+    """Centred smoothing: record ``i`` is the value at ``i`` of a quadratic fitted to it and
+    the ``window // 2`` records on each side (fewer near the ends, as many on both sides).
+    Centred, it does not delay a trend (a trailing mean lags by ``(window - 1) / 2`` records);
+    quadratic, it follows the bend of a falling loss, which a centred mean lifts."""
+    data, last = np.asarray(values, dtype=float), len(values) - 1
+    half = [min(window // 2, i, last - i) for i in range(len(values))]
+    return [float(data[i - h:i + h + 1] @ _savgol_weights(h)) for i, h in enumerate(half)]
 
 
 def _from(points, from_step: int) -> list[tuple]:
@@ -295,7 +307,7 @@ def _from(points, from_step: int) -> list[tuple]:
 
 def loss_curves(curves, smooth: int = 1, from_step: int = 0) -> Figure:
     """Training loss (lines) and validation loss (dashed, dots) of several runs, one axis;
-    only steps >= ``from_step`` (the trailing means still use the records before it)."""
+    only steps >= ``from_step`` (the centred means still use the records before it)."""
     fig = new_figure(7.5, 4.5)
     ax = fig.add_subplot()
     for index, curve in enumerate(curves):
@@ -313,7 +325,8 @@ def loss_curves(curves, smooth: int = 1, from_step: int = 0) -> Figure:
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
-    smoothing = f" (train: mean of {smooth} records)" if smooth > 1 else ""
+    smoothing = (f" (train: centred quadratic fit over {2 * (smooth // 2) + 1} records)"
+                 if smooth > 1 else "")
     start = f", steps >= {from_step}" if from_step else ""
     ax.set_title(f"loss{smoothing}{start}")
     return fig

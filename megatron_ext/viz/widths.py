@@ -2,20 +2,24 @@
 layer over training (the STQuant paper's Fig. 6a).
 
 Rows are the run's quantized parameter tensors in model order — the embedding, then per
-transformer layer ``L<i>.qkv / proj / fc1 / fc2``, then the output layer — and columns the
-training steps from the first assignment to the last; a width holds from the step that
-assigned it until the next assignment (read by :func:`megatron_ext.viz.inputs.load_widths`).
+transformer layer ``L<i>.qkv / proj / fc1 / fc2`` (the order a token meets them), then the
+output layer — and columns the training steps from the first assignment to one assignment
+interval (the median gap between assignments) past the last: a width holds from the step that
+assigned it until the next assignment, so the last one is drawn as wide as a typical interval
+instead of one step (read by :func:`megatron_ext.viz.inputs.load_widths`).
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from megatron_ext.sites import SITES
 from megatron_ext.viz.plots import new_figure, row_axis
 
 WIDTH_COLORS = {4: "#deebf7", 8: "#9ecae1", 16: "#3182bd", 32: "#08306b"}
@@ -38,18 +42,27 @@ def short_name(layer: str) -> str:
 
 def _order(name: str) -> tuple:
     if name == "embedding":
-        return (0, 0, name)
+        return (0, 0, 0, name)
     if name == "output":
-        return (2, 0, name)
-    match = re.match(r"^L(\d+)\.", name)
-    return (1, int(match.group(1)), name) if match else (1, 10 ** 9, name)
+        return (2, 0, 0, name)
+    match = re.match(r"^L(\d+)\.(\w+)$", name)
+    if not match:
+        return (1, 10 ** 9, 0, name)
+    site = match.group(2)
+    return (1, int(match.group(1)), SITES.index(site) if site in SITES else len(SITES), name)
+
+
+def _last_step(steps: tuple[int, ...]) -> int:
+    """The last column: one median assignment interval past the last assignment."""
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    return steps[-1] + max(1, int(statistics.median(gaps))) - 1 if gaps else steps[-1]
 
 
 def width_history(history) -> Figure:
     """Heatmap of the module docstring."""
     names = [short_name(layer) for layer in history.layers]
     rows = sorted(range(len(names)), key=lambda i: _order(names[i]))
-    steps = np.arange(history.steps[0], history.steps[-1] + 1)
+    steps = np.arange(history.steps[0], _last_step(history.steps) + 1)
     column = np.searchsorted(np.array(history.steps), steps, side="right") - 1
     grid = history.bits[rows][:, column]
     codes = np.searchsorted(sorted(WIDTH_COLORS), grid)

@@ -101,3 +101,23 @@ def test_dry_run_end_to_end_like_a_user(tmp_path):
     assert "16 GPUs = TP 8 x PP 1 x DP 2" in proc.stdout
     assert "parameters: 8,030,261,248" in proc.stdout  # Llama-3-8B
     assert "plan uniform:fp8" in proc.stdout
+
+
+IO_FLAGS = {"--data-path", "--tokenizer-model", "--save", "--save-interval", "--load",
+            "--tensorboard-dir", "--run-dir", "--dry-run"}
+"""Where a job reads and writes: the dry run reads none of them."""
+
+
+@pytest.mark.parametrize("doc, pattern", [("README.md", "the same by hand"),
+                                          ("docs/quickstart.md", "llama3-70b.*--dry-run")])
+def test_70b_dry_run_by_hand_has_the_sbatch_flags(doc, pattern, tmp_path):
+    """The documented hand-typed dry run gives the sbatch dry run's report: the same flags,
+    except where data and checkpoints live (the sbatch's report is checked above)."""
+    from doc_commands import find_command, flag_values
+
+    by_hand = find_command(doc, pattern).argv
+    sbatch = _recorded_commands("examples/slurm/llama3_70b_snip.sbatch", tmp_path)[0]
+    assert by_hand[:2] == ["python", sbatch[0]] and "--dry-run" in by_hand
+    ours, theirs = flag_values(by_hand[2:]), flag_values(sbatch[1:])
+    assert {f: v for f, v in ours.items() if f not in IO_FLAGS} == \
+        {f: v for f, v in theirs.items() if f not in IO_FLAGS}

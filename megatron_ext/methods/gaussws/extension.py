@@ -155,10 +155,19 @@ def _pipeline_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def describe(config: GaussWSConfig) -> str:
+    """The start-up line of ``--gaussws``."""
+    loss = f"bit-width loss lambda {config.lam:g}" if config.lam else "no bit-width loss"
+    return (f"gaussws: on | sampled weights of {','.join(config.sites)} | learnable bit width "
+            f"per {config.block}x{config.block} tile, {config.b_init:g} -> {config.b_target:g}"
+            f" bits | {loss}")
+
+
 def gaussws_extension(plans: PlanController) -> Extension:
     """The GaussWS Extension of one run (``--gaussws``); ``plans`` gives it quantized linears."""
     run = GaussWSRun(plans)
     return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
+                     describe=lambda args: describe(run.config) if run.config else None,
                      after_model=run.after_model, wrap_optimizer=run.wrap_optimizer,
                      after_setup=run.after_setup, before_step=run.before_step,
                      on_step=run.on_step)

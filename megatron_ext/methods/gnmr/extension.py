@@ -205,10 +205,25 @@ class GnmrRun:
                              f"the checkpoint's)") from None
 
 
+def describe(config: GnmrConfig) -> str:
+    """The start-up line of ``--gnmr``: the rule and its settings."""
+    line = f"gnmr: on | rule {config.rule} | per {config.granularity}, promote to {config.high}"
+    if config.rule in ("first-last", "static-topk"):
+        return line + f" | top-K {config.topk}"
+    if config.rule == "autoswitch":
+        return (line + f" | underflow > {config.autoswitch_underflow_pct:g}% or MSE > "
+                f"{config.autoswitch_mse:g}")
+    return (line + f" | lock {config.lock} steps, at most {config.max_promoted} promoted | "
+            f"alpha {config.alpha_init:g} -> {config.alpha:g}, beta {config.beta_init:g} -> "
+            f"{config.beta:g} (warm-up {config.warmup_frac:g} of the run), compare "
+            f"{config.compare} over {config.delta} steps")
+
+
 def gnmr_extension(plans: PlanController) -> Extension:
     """The GNMR Extension of one run; its promotions are an overlay on ``plans``."""
     run = GnmrRun(plans)
     return Extension(name=OWNER, add_arguments=flags.add_arguments, validate=run.validate,
+                     describe=lambda args: describe(run.config) if run.config else None,
                      wrap_optimizer=run.wrap_optimizer, after_setup=run.after_setup,
                      before_step=run.before_step, on_step=run.on_step,
                      on_nonfinite=run.on_nonfinite, on_train_end=run.on_train_end,

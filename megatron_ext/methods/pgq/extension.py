@@ -139,6 +139,18 @@ class PgqRun:
         self.profiled_at = state.get("profiled_at")
 
 
+def describe(args) -> str:
+    """The start-up line of ``--precision pgq``: the recipe settings and the profile."""
+    config = recipe_config(args)
+    budget = f", budget {config.budget:g} of the linear FLOPs" if config.budget else ""
+    mode = "" if config.mode == "recipe" else f" | validation recipe: {config.mode}"
+    source = (f"profile from '{args.pgq_profile}'" if args.pgq_profile else
+              f"profiles the first {args.pgq_profile_steps} batch(es) in {args.pgq_candidates}")
+    return (f"pgq: on | format {config.format} where SQNR >= {config.fwd_threshold:g} (fprop) /"
+            f" {config.bwd_threshold:g} (dgrad, wgrad), roofline {config.device}{budget}{mode}"
+            f" | {source}")
+
+
 def pgq_extension(controller: PlanController) -> Extension:
     """The PGQ Extension of one run; its recipe replaces ``controller``'s base plan."""
     pgq = PgqRun(controller)
@@ -147,5 +159,6 @@ def pgq_extension(controller: PlanController) -> Extension:
         return lambda args, *rest: hook(args, *rest) if pgq.active else None
 
     return Extension(name=POLICY, add_arguments=add_arguments, validate=pgq.validate,
+                     describe=active(describe),
                      after_setup=active(pgq.after_setup), before_step=active(pgq.before_step),
                      on_step=active(pgq.on_step))

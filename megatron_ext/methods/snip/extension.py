@@ -307,6 +307,18 @@ for _name in POLICIES:
                            if _name in planner.STATS_POLICIES else None))
 
 
+def describe(args) -> str:
+    """The start-up line of ``--precision snip`` (or one of its baselines)."""
+    name = "on" if args.precision == "snip" else f"baseline {args.precision}"
+    line = (f"snip: {name} | FP4 budget E_t {args.snip_budget:g} of the linear FLOPs | "
+            f"candidates {args.snip_candidates} | stage balance {args.snip_stage_balance}")
+    if args.precision not in planner.STATS_POLICIES:
+        return line + " | static plan"
+    every = f", then every {args.snip_interval}" if args.snip_interval else ", once"
+    return (line + f" | statistics at step {args.snip_start}{every}, each plan applied "
+            f"{args.snip_apply_lag} steps later (the safe plan until the first)")
+
+
 def snip_extension(controller: PlanController) -> Extension:
     """The SNIP Extension of one run; refreshes replace ``controller``'s base plan."""
     snip = SnipRun(controller)
@@ -315,5 +327,6 @@ def snip_extension(controller: PlanController) -> Extension:
         return lambda args, *rest: hook(args, *rest) if snip.policy is not None else None
 
     return Extension(name="snip", add_arguments=add_arguments, validate=snip.validate,
+                     describe=active(describe),
                      after_setup=snip.after_setup, before_step=active(snip.before_step),
                      on_step=active(snip.on_step), dry_run_estimate=active(dry_run.estimate))

@@ -101,6 +101,20 @@ def _write_widths(args, allocator) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def describe(args: argparse.Namespace) -> str | None:
+    """The start-up line of ``--optimizer stquant-adamw``."""
+    if args.optimizer != "stquant-adamw":
+        return None
+    config = config_from_args(args)
+    score = config.score
+    widths = (f"fixed {config.fixed_bits}-bit" if config.fixed_bits else
+              f"{'/'.join(map(str, BITS))} bits per layer by score (tau {score.tau:.3g}, phi {score.phi:g}, "
+              f"thresholds {'/'.join(f'{t:g}' for t in score.thresholds)}, re-chosen every "
+              f"{score.update_every} steps)")
+    return (f"stquant: on | AdamW m, v stored in {config.block}-element blocks, {widths} | "
+            f"tensors under {config.min_numel} elements stay FP32")
+
+
 def stquant_extension(controller=None) -> Extension:
     """The STQuant extension (it shares nothing with the plan controller)."""
 
@@ -117,6 +131,6 @@ def stquant_extension(controller=None) -> Extension:
             _write_widths(args, allocator)
         return run.optimizer.metrics()
 
-    return Extension("stquant", add_arguments=add_arguments, validate=validate,
+    return Extension("stquant", add_arguments=add_arguments, validate=validate, describe=describe,
                      wrap_optimizer=wrap_optimizer, on_step=on_step,
                      dry_run_estimate=dry_run.estimate)

@@ -25,7 +25,7 @@ def unpadded_vocab(args) -> int:
     if args.tokenizer_model is None:
         return ByteTokenizer().vocab_size if args.mock_data else DEFAULT_VOCAB_SIZE
     try:
-        return build_tokenizer(args.tokenizer_model).vocab_size
+        return build_tokenizer(args.tokenizer_model, args.eod_token).vocab_size
     except (FileNotFoundError, ValueError) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
 

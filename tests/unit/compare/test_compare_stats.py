@@ -81,3 +81,34 @@ def test_command_line_replaces_and_extends_the_config():
         build_grid(config, {"group_by": "--snip-budget"}, [])
     with pytest.raises(UsageError, match="expected NAME=FLAGS"):
         build_grid(config, {}, ["y"])
+
+
+def _gap_results(gaps: dict[str, float], seeds: int, ref_loss: float = 5.0) -> dict:
+    runs = {"bf16": {"group": None, "val_loss": {"mean": ref_loss}, "vs_reference": None}}
+    for name, gap in gaps.items():
+        runs[name] = {"group": None, "val_loss": {"mean": ref_loss + gap}, "vs_reference": {
+            "mean": gap, "se": None if seeds == 1 else abs(gap) / 2,
+            "rel_pct": 100 * gap / ref_loss}}
+    return {"grid": {"reference": "bf16", "group_by": None, "seeds": list(range(seeds))},
+            "runs": runs}
+
+
+def test_a_tiny_single_seed_gap_is_a_small_bar():
+    from megatron_ext.compare.figures import GAP_AXIS_FLOOR_PCT, gap_plot
+
+    fig = gap_plot(_gap_results({"snip": 0.0005}, seeds=1))  # 0.01 % of 5.0
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    assert high == pytest.approx(-low) and high >= GAP_AXIS_FLOOR_PCT / 100 * 5.0
+    (bar,) = ax.patches
+    assert bar.get_height() / high < 0.05  # not a full-height bar
+    assert [t.get_text() for t in ax.texts] == ["+0.01%"]
+    assert "one seed" in ax.get_title()
+
+
+def test_large_gaps_still_fill_the_axis():
+    from megatron_ext.compare.figures import gap_plot
+
+    ax = gap_plot(_gap_results({"fp4": 0.5, "fp8": -0.1}, seeds=3)).axes[0]
+    assert ax.get_ylim()[1] == pytest.approx(1.2 * (0.5 + 0.25))
+    assert [t.get_text() for t in ax.texts] == ["+10.00%", "-2.00%"]

@@ -69,6 +69,33 @@ def save_hf_model(name: str, out: Path, dtype: torch.dtype = torch.float32,
     return out
 
 
+LLAMA_SPECIAL = ("<unk>", "<s>", "</s>")
+"""Llama 2's special tokens, ids 0, 1, 2 (``</s>`` ends a document)."""
+
+
+def save_llama_tokenizer(out: Path, vocab_size: int = 320) -> Path:
+    """A Llama-2-shaped ``tokenizer.json`` in ``out``: BPE with byte fallback (``<0xNN>``),
+    ``▁`` for spaces, ``<unk>`` / ``<s>`` / ``</s>`` at ids 0-2 and no ``<|endoftext|>``;
+    trained offline on a few lines. Returns its path."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    special = [*LLAMA_SPECIAL, *(f"<0x{i:02X}>" for i in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  show_progress=False)
+    tok.train_from_iterator([f"the cat number {i} sat on the mat and ate {7 * i} fish"
+                             for i in range(200)], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"
+
+
 def hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every safetensors file in ``hf_dir``."""
     tensors = {}

@@ -57,5 +57,31 @@ def test_tokenizer_without_eod_is_rejected(tmp_path):
     plain.pre_tokenizer = pre_tokenizers.ByteLevel()
     plain.train_from_iterator(["abc abc"], trainer=trainers.BpeTrainer(vocab_size=300))
     plain.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(ValueError, match="endoftext"):
+    with pytest.raises(ValueError, match="endoftext.*--eod-token"):
         build_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def _llama_tokenizer(folder):
+    from unit.convert.hf_models import save_llama_tokenizer
+
+    return str(save_llama_tokenizer(folder))
+
+
+def test_llama_tokenizer_ends_documents_with_its_eos(tmp_path):
+    path = _llama_tokenizer(tmp_path)  # no <|endoftext|>; </s> is id 2
+    tokenizer = build_tokenizer(path)
+    assert (tokenizer.eod_token, tokenizer.eod) == ("</s>", 2)
+    assert tokenizer.eod == tokenizers.Tokenizer.from_file(path).token_to_id("</s>")
+    assert tokenizer.detokenize(tokenizer.tokenize("the cat ✓")) == "the cat ✓"
+
+
+def test_tokenizer_config_eos_and_the_flag_choose_the_eod(tmp_path):
+    path = _llama_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "<s>", "special": True}}))
+    assert build_tokenizer(path).eod == 1  # the config's eos_token, as Megatron-LM's HF one
+    assert build_tokenizer(path, eod_token="<unk>").eod == 0  # --eod-token wins
+    with pytest.raises(ValueError, match="--eod-token '<eot>'"):
+        build_tokenizer(path, eod_token="<eot>")
+    with pytest.raises(ValueError, match="byte tokenizer"):
+        build_tokenizer("byte", eod_token="</s>")

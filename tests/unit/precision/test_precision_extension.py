@@ -104,3 +104,25 @@ def test_bad_plan_flag_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert errors == ["error: --precision-plan: unknown site L4.qkv: the model has layers 0-3"]
     assert not (tmp_path / "r").exists()
+
+
+def test_plan_lines_are_rate_limited_with_the_count(monkeypatch, capsys):
+    from megatron_ext.precision import extension
+
+    monkeypatch.setattr(extension.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(extension, "_summary", lambda plan, report: f"precision: plan {plan}")
+    run = extension.PrecisionRun()
+    printed = {}
+    for step in range(400):  # a change at 0, 3, 7, 60, 61, 200; a commit every step
+        if step in (0, 3, 7, 60, 61, 200):
+            run.controller.applied = f"p{step}"
+            run.unprinted += 1
+        run._print(step)
+        if out := capsys.readouterr().out:
+            printed[step] = out.strip()
+    every = extension.PLAN_LINE_EVERY
+    assert every == 50
+    assert printed == {0: "precision: plan p0",
+                       50: "precision: plan p7 | 2 plan changes since step 0",
+                       100: "precision: plan p61 | 2 plan changes since step 50",
+                       200: "precision: plan p200"}

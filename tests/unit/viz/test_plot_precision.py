@@ -175,7 +175,7 @@ def test_loss_curves_of_two_runs(inputs, tmp_path):
     check_png(out, ["C0", "C1"], min_distinct=1, min_share=0.001)  # thin lines
 
 
-def test_loss_curves_from_a_step_keep_the_trailing_mean(inputs, tmp_path):
+def test_loss_curves_from_a_step_keep_the_records_before_it(inputs, tmp_path):
     from megatron_ext.viz.inputs import load_loss_curve
     from megatron_ext.viz.plots import loss_curves
 
@@ -183,7 +183,9 @@ def test_loss_curves_from_a_step_keep_the_trailing_mean(inputs, tmp_path):
     train, val = loss_curves([curve], smooth=5, from_step=150).axes[0].get_lines()
     assert list(train.get_xdata()) == list(range(150, 201)) and list(val.get_xdata()) == [150, 200]
     losses = dict(curve.train)
-    assert train.get_ydata()[0] == pytest.approx(np.mean([losses[s] for s in range(146, 151)]))
+    fit = np.polyfit(range(148, 153), [losses[s] for s in range(148, 153)], 2)  # 2 each side
+    assert train.get_ydata()[0] == pytest.approx(np.polyval(fit, 150))
+    assert train.get_ydata()[-1] == pytest.approx(losses[200])  # the last: no neighbours after
     out = tmp_path / "end.png"
     assert plot("loss", inputs / "fp8", "--from-step", "150", "--out", out) == 0
     check_png(out, ["C0"], min_distinct=1, min_share=0.001)
@@ -284,3 +286,22 @@ def test_bad_input_is_one_line_exit_2_and_no_file(case, inputs, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_smoothing_does_not_lag_a_falling_loss():
+    from megatron_ext.viz.inputs import LossCurve
+    from megatron_ext.viz.plots import loss_curves
+
+    steps = range(10, 4001, 10)  # logged every 10 steps; the loss falls linearly, with noise
+    rng = np.random.default_rng(0)
+    loss = {s: 8.0 - s / 1000 + rng.normal(0, 0.05) for s in steps}
+    curve = LossCurve("run", tuple(sorted(loss.items())), ())
+    (train,) = loss_curves([curve], smooth=20).axes[0].get_lines()
+    smoothed = dict(zip(train.get_xdata(), train.get_ydata()))
+    bias = np.mean([smoothed[s] - (8.0 - s / 1000) for s in steps])
+    assert abs(bias) < 0.01  # a trailing mean of 20 records would sit 0.095 above (95 steps)
+    assert np.std([smoothed[s] - (8.0 - s / 1000) for s in steps[20:-20]]) < 0.025
+    bend = {s: 3 + 5 * np.exp(-s / 80) for s in range(10, 401, 10)}  # a default run's start
+    (train,) = loss_curves([LossCurve("bend", tuple(bend.items()), ())],
+                           smooth=20).axes[0].get_lines()
+    assert np.allclose(train.get_ydata(), list(bend.values()), atol=0.1)  # a mean: +0.4

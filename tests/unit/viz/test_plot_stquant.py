@@ -43,3 +43,25 @@ def test_bad_widths_file_is_one_line(tmp_path, capsys):
     assert main(["stquant", str(tmp_path / "run"), "--out", str(tmp_path / "w.png")]) == 2
     assert "is not a width line" in capsys.readouterr().err
     assert not (tmp_path / "w.png").exists()
+
+
+def test_rows_in_model_order_and_the_last_change_drawn_one_interval_wide(tmp_path):
+    from megatron_ext.viz.widths import width_history
+
+    layers = [f"decoder.layers.{p}.weight[{layer}]" for layer in (1, 0) for p in
+              ("mlp.linear_fc2", "self_attention.linear_proj", "mlp.linear_fc1",
+               "self_attention.linear_qkv")] + ["output_layer.weight"]
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "stquant_widths.jsonl", "w") as f:  # every 10 steps; all 4 bits at 40
+        for step in (0, 10, 20, 30, 40):
+            f.write(json.dumps({"step": step, "widths": {n: 4 if step == 40 else 32
+                                                         for n in layers}}) + "\n")
+    fig = width_history(load_widths(str(run)))
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "L0.qkv", "L0.proj", "L0.fc1", "L0.fc2", "L1.qkv", "L1.proj", "L1.fc1", "L1.fc2",
+        "output"]
+    codes = ax.images[0].get_array()
+    assert codes.shape[1] == 50  # steps 0..49: the step-40 widths hold for 10 steps
+    assert (codes[:, 40:] == 0).all() and (codes[:, :40] == 3).all()
