@@ -2,8 +2,10 @@
 
 ``pretrain_llama.py`` / ``pretrain_gpt.py`` call ``main(family, extensions=default_extensions())``.
 Faults come first (they count a skipped step before methods react to it), the methods next,
-the precision platform last (it commits the plan changes methods made in a hook, at the step
-boundary that follows). A new method adds one line here.
+the precision platform last. Plan changes do not depend on this order: the platform commits
+them in the ``commit_step`` phase, after every extension's ``before_step``, and GNMR's
+promotions are derived from the base in force at that commit. A new method adds one line
+here.
 """
 
 from __future__ import annotations
@@ -29,6 +31,5 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     controller = PlanController()
     methods = [snip_extension, pgq_extension, stquant_extension, gaussws_extension, gnmr_extension,
                *extra]
-    # GNMR last among the methods: it lifts the base plan the others made
     return [FaultHandler().extension(), *(make(controller) for make in methods),
             precision_extension(PrecisionRun(controller))]

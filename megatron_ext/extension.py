@@ -13,10 +13,14 @@ full set). Every hook is optional and every per-run hook has the same arguments,
   ``skipped``);
 * ``state`` — the ``TrainState`` (``iteration``, ``consumed_samples``).
 
-Hooks run in list order. The precision platform's extension comes last in the defaults, so a
-plan change a method makes in ``before_step`` or ``on_step`` lands at the next step boundary,
-on every rank. Extensions never call each other; they share state through the registries of
-``megatron_ext.precision`` (policies, the plan controller's overlays, operand transforms).
+Hooks run in list order, and before every step in two **phases**: every extension's
+``before_step`` (observed passes, proposals: a new base plan, an overlay), then every
+extension's ``commit_step`` (the precision platform makes the plan in force of what was
+proposed). So a plan change a method makes in ``before_step`` lands at that step, and one
+made in ``on_step`` at the next, on every rank, whatever the list order; an overlay that
+depends on the base plan is derived from it at the commit (``PlanController.set_overlay(...,
+derive=...)``). Extensions never call each other; they share state through the plan
+controller of ``megatron_ext.precision`` (base plan, overlays, operand transforms).
 """
 
 from __future__ import annotations
@@ -105,7 +109,10 @@ class Extension:
     """After the model, optimizer and checkpointer exist, before ``--load``: register
     checkpoint state, apply the first plan."""
     before_step: Hook | None = None
-    """Before each optimizer step: observed passes, plan switches."""
+    """Before each optimizer step, first phase: observed passes, proposed plan switches."""
+    commit_step: Hook | None = None
+    """Before each optimizer step, second phase, after every extension's ``before_step``:
+    make what they proposed take effect (the precision platform commits the plan)."""
     on_step: Callable[..., dict | None] | None = None
     """After each optimizer step (``run.step_result`` holds its result); a returned dict is
     merged into that step's metrics record."""

@@ -9,7 +9,8 @@ nothing (megatron's own linears, bit for bit). With one:
    as the overlay ``precision/keep<N>bf16``;
 2. ``linear_classes`` makes every site the one quantized megatron linear;
 3. ``after_setup`` commits the plan and registers the controller with the checkpointer;
-4. ``before_step`` commits whatever methods changed since the last step: the effective plan is
+4. ``commit_step`` (after every extension's ``before_step``) commits whatever methods changed
+   since the last step: the effective plan (derived overlays evaluated against the base) is
    applied on every rank, its hash all-gathered (every rank must hold the same plan), the FLOP
    split printed on rank 0 and the plan written to ``<run dir>/precision_plan.json``;
 5. ``on_step`` adds the FLOP fractions, the plan hash and, on a step that switched plans, the
@@ -112,7 +113,7 @@ class PrecisionRun:
         self.commit()
         run.checkpointer.register("precision_plan", self)
 
-    def before_step(self, args, run, state) -> None:
+    def commit_step(self, args, run, state) -> None:
         if self.model is not None:
             self.commit()
 
@@ -172,6 +173,6 @@ def precision_extension(run: PrecisionRun | None = None) -> Extension:
     run = run or PrecisionRun()
     return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
                      linear_classes=run.linear_classes, after_setup=run.after_setup,
-                     before_step=run.before_step, on_step=run.on_step,
+                     commit_step=run.commit_step, on_step=run.on_step,
                      dry_run_estimate=lambda args, context:
                      dry_run.estimate(run.controller, args, context))

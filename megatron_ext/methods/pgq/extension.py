@@ -5,8 +5,8 @@ the batches it will train on, so the policy's ``make(args, arg)`` returns a safe
 (``pgq:safe``: nothing quantized) and the recipe replaces the base plan in ``before_step`` of
 the first step this process trains — after ``--load``, which ``after_setup`` would precede
 (a fine-tuned or resumed model is profiled with its loaded weights, not its random init), on
-the ``--pgq-profile-steps`` batches training consumes next. The platform's ``before_step``
-comes later in the same hook round and commits the recipe, so the very first step already
+the ``--pgq-profile-steps`` batches training consumes next. The platform's ``commit_step``
+phase follows every ``before_step`` and commits the recipe, so the very first step already
 runs it; the profile's time is reported as ``pgq_profile_s`` in that step's metrics, outside
 ``step_time_s``. Nothing stays attached: every other step runs without overhead.
 
