@@ -10,7 +10,6 @@ without touching megatron-core.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from typing import Callable
 
 import torch
@@ -167,26 +166,6 @@ def layer_spec(layer: int, linear_classes: LinearClasses) -> ModuleSpec:
             },
         ),
     )
-
-
-def transformer_engine_available() -> bool:
-    """TE importable and a GPU to run it on."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def resolve_transformer_impl(requested: str, custom_linears: bool) -> str:
-    """``auto`` -> Transformer Engine when it can run and no extension swaps the linears."""
-    if requested == "auto":
-        return "transformer_engine" if transformer_engine_available() and not custom_linears \
-            else "local"
-    if requested == "transformer_engine":
-        if not transformer_engine_available():
-            raise UsageError("--transformer-impl transformer_engine needs transformer_engine "
-                             "installed and a CUDA GPU")
-        if custom_linears:
-            raise UsageError("--transformer-impl transformer_engine uses TE's fused layers; "
-                             "per-layer precision needs --transformer-impl local")
-    return requested
 
 
 def block_spec(config: TransformerConfig, vp_stage: int | None, linear_classes: LinearClasses,

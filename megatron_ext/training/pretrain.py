@@ -20,6 +20,8 @@ from megatron_ext.training import dry_run
 from megatron_ext import extension as ext
 from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.distributed import resolve_launch
+from megatron_ext.training.layer_impl import resolve_transformer_impl, \
+    transformer_engine_available
 from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
 from megatron_ext.training.peers import peer_loss_reported
@@ -68,8 +70,8 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     args.padded_vocab_size = model.padded_vocab_size(model.vocab_size(tokenizer, args), args)
     config = model.transformer_config(args)
     linears = ext.the_one(extensions, "linear_classes", args)
-    args.transformer_impl = model.resolve_transformer_impl(args.transformer_impl,
-                                                           linears is not None)
+    args.transformer_impl = resolve_transformer_impl(args.transformer_impl, linears is not None,
+                                                     transformer_engine_available())
     linears = linears or model.default_linear_classes
     chunks = model.build_model_chunks(args, config, args.padded_vocab_size, linears)
     init.initialize_layout_invariant(chunks, config, args.seed)

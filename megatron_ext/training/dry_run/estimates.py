@@ -42,7 +42,7 @@ micro-batch, ``h`` hidden size, ``a`` attention heads, ``t`` TP size, in bytes::
 
 ``5·a·s/h`` is the attention core's ``s × s`` scores (softmax output, dropout mask, ...).
 megatron-core's local ``DotProductAttention`` stores them; Transformer Engine's fused (flash)
-attention does not, so the term is dropped when the job runs TE layers (:func:`assumed_impl`).
+attention does not, so the term is dropped when the job runs TE layers (``Layout.flash_attention``).
 The 34 is derived for a GPT-3 layer (4h GeLU MLP, multi-head attention, dropout masks); for
 Llama (SwiGLU, GQA, no dropout) it is an approximation. The last stage also keeps the FP32
 logits for the loss, ``4·s·b·v/t`` bytes (Korthikanti §4.3; ``v`` the padded vocabulary).
@@ -71,16 +71,6 @@ from dataclasses import dataclass
 
 GIB = 2.0**30
 """Bytes in a GiB."""
-
-
-def assumed_impl(args) -> str:
-    """The layer implementation the GPU job will get. ``auto`` is resolved as on a GPU node
-    with Transformer Engine installed (the NGC image of ``Dockerfile``): TE, unless per-layer
-    precision (``--precision`` / ``--precision-plan``) needs megatron-core's local layers."""
-    if args.transformer_impl != "auto":
-        return args.transformer_impl
-    per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
-    return "local" if per_layer else "transformer_engine"
 
 
 @dataclass(frozen=True)
@@ -113,14 +103,16 @@ class Layout:
     """No ``s × s`` scores stored (Transformer Engine's fused attention)."""
 
     @classmethod
-    def from_args(cls, args) -> "Layout":
+    def from_args(cls, args, impl: str) -> "Layout":
+        """The layout of the parsed flags; ``impl`` the layer implementation the job gets
+        (``training.layer_impl.resolve_transformer_impl``)."""
         return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                    args.data_parallel, args.virtual_pipeline_model_parallel_size or 1,
                    args.num_microbatches, args.micro_batch_size, args.seq_length,
                    bool(args.sequence_parallel), bool(args.bf16),
                    bool(args.use_distributed_optimizer),
                    bool(args.use_torch_fsdp2 or args.use_megatron_fsdp),
-                   assumed_impl(args) == "transformer_engine")
+                   impl == "transformer_engine")
 
 
 @dataclass(frozen=True)
