@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from megatron_ext.extension import Extension
+from megatron_ext.extension import Extension, declared
 
 
 def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     """Faults, every method, then the ``extra`` ones, then the precision platform. Methods
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
-    platform (``extra`` too: a method kept outside the package, a test's)."""
+    platform (``extra`` too: a method kept outside the package, a test's); the platform offers
+    the ``--precision`` policies they bring (``Extension.policies``) and no others."""
     from megatron_ext.methods.gaussws.extension import gaussws_extension
     from megatron_ext.methods.gnmr.extension import gnmr_extension
     from megatron_ext.methods.pgq.extension import pgq_extension
@@ -29,7 +30,7 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, pgq_extension, stquant_extension, gaussws_extension, gnmr_extension,
-               *extra]
-    return [FaultHandler().extension(), *(make(controller) for make in methods),
-            precision_extension(PrecisionRun(controller))]
+    methods = [make(controller) for make in (snip_extension, pgq_extension, stquant_extension,
+                                             gaussws_extension, gnmr_extension, *extra)]
+    platform = PrecisionRun(controller, declared(methods, "policies"))  # the run's policies
+    return [FaultHandler().extension(), *methods, precision_extension(platform)]

@@ -29,6 +29,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from megatron_ext.errors import UsageError
+
 Hook = Callable[[argparse.Namespace, Any, Any], Any]
 """``hook(args, run, state)``."""
 
@@ -83,7 +85,19 @@ class Extension:
     name: str
     """Short name, used in messages and as the owner of its overlays and checkpoint state."""
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
-    """Adds the feature's flags (an argument group) to the parser."""
+    """Adds the feature's flags (its flag group) to the parser."""
+    active: Callable[[argparse.Namespace], bool] | None = None
+    """``active(args)``: whether the parsed flags switch the feature on (None: always on).
+    A flag of its group given while it is off is refused with one line naming the flag and
+    ``enabled_by`` (:func:`refuse_inactive_flags`)."""
+    enabled_by: str = ""
+    """What switches it on, for that line (``--gnmr``, ``--precision snip | ...``)."""
+    policies: tuple = ()
+    """The ``--precision`` policies it brings (``megatron_ext.precision.policies.Policy``):
+    a run offers those of its extensions only."""
+    optimizers: tuple[tuple[str, str], ...] = ()
+    """``(name, help)`` of each ``--optimizer`` choice it builds or wraps (training owns the
+    flag; ``adam``, megatron-core's, is always offered)."""
     validate: Callable[[argparse.Namespace], None] | None = None
     """Checks the parsed flags; raises ``UsageError`` with a one-line message. Runs for the
     dry run too."""
@@ -144,6 +158,38 @@ def args_provider(extensions: list[Extension]):
         return parser
 
     return provide
+
+
+def flag_groups(extensions: list[Extension]) -> dict[str, list[argparse.Action]]:
+    """Extension name -> the flags (argparse actions) its ``add_arguments`` adds."""
+    groups = {}
+    for e in extensions:
+        if e.add_arguments is not None:
+            parser = argparse.ArgumentParser(add_help=False)
+            e.add_arguments(parser)
+            groups[e.name] = list(parser._actions)
+    return groups
+
+
+def refuse_inactive_flags(extensions: list[Extension], args: argparse.Namespace,
+                          given: set[str]) -> None:
+    """``UsageError`` naming the first flag in ``given`` (option strings the command line
+    holds) whose extension is off, and what switches that extension on."""
+    groups = flag_groups(extensions)
+    for e in extensions:
+        if e.active is None or e.active(args):
+            continue
+        for action in groups.get(e.name, ()):
+            flag = next((o for o in action.option_strings if o in given), None)
+            if flag is not None:
+                raise UsageError(f"{flag} is a flag of {e.name}, which is off: it needs "
+                                 f"{e.enabled_by or 'its switch'}")
+
+
+def declared(extensions: list[Extension], name: str) -> list:
+    """Everything the extensions declare in their tuple field ``name`` (``policies``,
+    ``optimizers``), in list order."""
+    return [item for e in extensions for item in getattr(e, name)]
 
 
 def hooks(extensions: list[Extension], name: str) -> list[Callable]:

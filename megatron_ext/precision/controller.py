@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
+from megatron_ext.errors import UsageError
 from megatron_ext.formats import get_format
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
@@ -129,6 +130,13 @@ class PlanController:
         self.linears_for: set[str] = set()
         """Owners that need every site to be the quantized linear even without a plan (their
         operand transforms live in it); with no plan its operands pass through untouched."""
+        self.plan_needed: list[str] = []
+        """Why extensions need a base plan (one line each); refused without one."""
+        self.flags_read = False
+        """Whether the platform has made the base plan of the flags (its ``validate``)."""
+        self.stand_in = None
+        """``stand_in(args, shape) -> PrecisionPlan``: what ``--dry-run`` assumes for a base
+        plan only training decides (the base's policy's ``Policy.dry_run``; None: the base)."""
         self._composing = False
         """True while derived overlays are evaluated (they must not change the controller)."""
 
@@ -140,6 +148,16 @@ class PlanController:
         if self._composing:
             raise RuntimeError(f"plan controller: {what} while an overlay is derived (a derive "
                                "function must only read the base it is given)")
+
+    def require_plan(self, why: str) -> None:
+        """An extension works on a base plan: ``why`` (one line) becomes the ``UsageError``
+        of a run without one, whether the platform validates before or after the caller."""
+        self.plan_needed.append(why)
+        self.check_plan_needed()
+
+    def check_plan_needed(self) -> None:
+        if self.flags_read and self.base is None and self.plan_needed:
+            raise UsageError(self.plan_needed[0])
 
     def set_base(self, plan: PrecisionPlan) -> None:
         self._check_not_composing("set_base")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_ext.training import dry_run
 from megatron_ext import extension as ext
-from megatron_ext.training.arguments import parse_args
+from megatron_ext.training.arguments import build_parser, given_flags, parse_args
 from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.training.layer_impl import resolve_transformer_impl, \
     transformer_engine_available
@@ -112,8 +112,11 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
 
     extensions = list(extensions)
     provider = dry_run.args_provider(ext.args_provider(extensions))
-    simulated = dry_run.request(family, argv, provider)
-    args = parse_args(family, argv, provider, simulated and simulated.world_size)
+    optimizers = ext.declared(extensions, "optimizers")
+    simulated = dry_run.request(family, argv, provider, optimizers)
+    args = parse_args(family, argv, provider, simulated and simulated.world_size, optimizers)
+    given = given_flags(build_parser(family, provider, optimizers), argv)
+    ext.refuse_inactive_flags(extensions, args, given)  # --snip-budget without SNIP: one line
     for validate in ext.hooks(extensions, "validate"):
         validate(args)
     if simulated:

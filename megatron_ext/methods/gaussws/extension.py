@@ -159,6 +159,7 @@ def gaussws_extension(plans: PlanController) -> Extension:
     """The GaussWS Extension of one run (``--gaussws``); ``plans`` gives it quantized linears."""
     run = GaussWSRun(plans)
     return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
+                     active=lambda args: bool(args.gaussws), enabled_by="--gaussws SITES",
                      after_model=run.after_model, wrap_optimizer=run.wrap_optimizer,
                      after_setup=run.after_setup, before_step=run.before_step,
                      on_step=run.on_step)

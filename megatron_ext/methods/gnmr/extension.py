@@ -96,6 +96,7 @@ class GnmrRun:
     def validate(self, args) -> None:
         self.config = flags.config_from_args(args)
         if self.config is not None:
+            self.plans.require_plan(flags.NEEDS_PLAN)
             units = unit_ids(args.num_layers, self.config.granularity)
             try:
                 self.gnmr = GnmrController.create(self.config, units, args.train_iters)
@@ -206,6 +207,7 @@ def gnmr_extension(plans: PlanController) -> Extension:
     """The GNMR Extension of one run; its promotions are an overlay on ``plans``."""
     run = GnmrRun(plans)
     return Extension(name=OWNER, add_arguments=flags.add_arguments, validate=run.validate,
+                     active=flags.active, enabled_by="--gnmr",
                      wrap_optimizer=run.wrap_optimizer, after_setup=run.after_setup,
                      before_step=run.before_step, on_step=run.on_step,
                      on_nonfinite=run.on_nonfinite, on_train_end=run.on_train_end,

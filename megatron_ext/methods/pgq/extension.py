@@ -40,7 +40,7 @@ from megatron_ext.methods.pgq.report import summary, write_recipe
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.policies import Policy, register_policy
+from megatron_ext.precision.policies import Policy
 
 POLICY = "pgq"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -73,8 +73,14 @@ def pgq_plan(args: argparse.Namespace, arg: str | None) -> PrecisionPlan:
     return PrecisionPlan({}, method=f"{POLICY}:safe")
 
 
-register_policy(Policy(POLICY, pgq_plan, owner=POLICY,
-                       help="PGQ: per-GEMM recipe from a start-up SQNR profile"))
+PGQ_POLICY = Policy(POLICY, pgq_plan, owner=POLICY,
+                    help="PGQ: per-GEMM recipe from a start-up SQNR profile")
+"""The ``--precision pgq`` policy PGQ brings."""
+
+
+def active(args: argparse.Namespace) -> bool:
+    """``--precision pgq``."""
+    return args.precision == POLICY
 
 
 class PgqRun:
@@ -90,7 +96,7 @@ class PgqRun:
         self._profile_s: float | None = None
 
     def validate(self, args) -> None:
-        self.active = args.precision == POLICY
+        self.active = active(args)
         if not self.active:
             return
         if args.pgq_profile_steps < 1:
@@ -143,9 +149,10 @@ def pgq_extension(controller: PlanController) -> Extension:
     """The PGQ Extension of one run; its recipe replaces ``controller``'s base plan."""
     pgq = PgqRun(controller)
 
-    def active(hook):
+    def when_on(hook):
         return lambda args, *rest: hook(args, *rest) if pgq.active else None
 
     return Extension(name=POLICY, add_arguments=add_arguments, validate=pgq.validate,
-                     after_setup=active(pgq.after_setup), before_step=active(pgq.before_step),
-                     on_step=active(pgq.on_step))
+                     active=active, enabled_by=f"--precision {POLICY}", policies=(PGQ_POLICY,),
+                     after_setup=when_on(pgq.after_setup),
+                     before_step=when_on(pgq.before_step), on_step=when_on(pgq.on_step))

@@ -10,101 +10,57 @@ for a bit-width evolution plot (paper Fig. 6).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import torch.distributed as dist
 
-from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.methods.stquant import dry_run
+from megatron_ext.methods.stquant.flags import ENABLED_BY, OPTIMIZER, active, add_arguments, \
+    config_from_args
 from megatron_ext.methods.stquant.optimizer import STQuantConfig, STQuantOptimizer
-from megatron_ext.methods.stquant.quantizer import BITS
-from megatron_ext.methods.stquant.score import ScoreConfig, auto_tau
-
-OPTIMIZERS = ("adam", "stquant-adamw")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("STQuant: optimizer states quantized at a width per layer")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
-                   help="adam: megatron-core's AdamW (float32 moments); stquant-adamw: the same "
-                        "AdamW with m / v stored blockwise at 4/8/16/32 bits per layer, chosen "
-                        "by STQuant's score (docs/stquant.md)")
-    g.add_argument("--stquant-block-size", type=int, default=64, metavar="B",
-                   help="elements per quantization block (one float32 scale each)")
-    g.add_argument("--stquant-min-numel", type=int, default=4096, metavar="N",
-                   help="parameters with fewer elements (whole tensor, all shards) keep "
-                        "float32 state")
-    g.add_argument("--stquant-update-every", type=int, default=10, metavar="U",
-                   help="rescore the layers every U steps (and at steps 1-4)")
-    g.add_argument("--stquant-ema", type=float, default=0.1, metavar="ALPHA",
-                   help="EMA factor of the global references N, R, V")
-    g.add_argument("--stquant-tau", type=float, default=None, metavar="STEPS",
-                   help="time constant of the annealing 1 + sech(t / tau); default "
-                        "50 * (layers / 12) * sqrt(256 / global batch)")
-    g.add_argument("--stquant-phi", type=float, default=7.2, help="base score (Φ)")
-    g.add_argument("--stquant-thresholds", type=float, nargs=3, default=[6.8, 12.0, 24.0],
-                   metavar=("T4", "T8", "T16"),
-                   help="score boundaries between 4 | 8 | 16 | 32 bits")
-    g.add_argument("--stquant-fixed-bits", type=int, choices=BITS, default=None,
-                   help="one width for every layer instead of the score (ablations)")
-    g.add_argument("--stquant-dry-run-bits", type=int, choices=BITS, default=None,
-                   help="--dry-run: the width every layer's m, v is counted at in the "
-                        "optimizer memory (default: --stquant-fixed-bits if given, else 8)")
-
-
-def validate(args: argparse.Namespace) -> None:
-    if args.optimizer != "stquant-adamw":
-        return
-    block = args.stquant_block_size
-    if block < 2 or block % 2:
-        raise UsageError(f"--stquant-block-size must be an even number >= 2, got {block}")
-    if args.stquant_min_numel < 0 or args.stquant_update_every < 1:
-        raise UsageError("--stquant-min-numel must be >= 0 and --stquant-update-every >= 1")
-    if not 0 < args.stquant_ema <= 1:
-        raise UsageError(f"--stquant-ema must be in (0, 1], got {args.stquant_ema}")
-    if args.stquant_tau is not None and args.stquant_tau <= 0:
-        raise UsageError(f"--stquant-tau must be positive, got {args.stquant_tau}")
-    if list(args.stquant_thresholds) != sorted(args.stquant_thresholds):
-        raise UsageError("--stquant-thresholds must be increasing")
-    if args.use_torch_fsdp2 or args.use_megatron_fsdp:
-        raise UsageError("--optimizer stquant-adamw works with megatron's DDP and distributed "
-                         "optimizer, not with FSDP")
-
-
-def config_from_args(args: argparse.Namespace) -> STQuantConfig:
-    tau = args.stquant_tau or auto_tau(args.num_layers, args.global_batch_size)
-    score = ScoreConfig(tau=tau, phi=args.stquant_phi, thresholds=tuple(args.stquant_thresholds),
-                        alpha=args.stquant_ema, update_every=args.stquant_update_every)
-    return STQuantConfig(score, args.stquant_block_size, args.stquant_min_numel,
-                         args.stquant_fixed_bits)
-
-
-def _write_widths(args, allocator) -> None:
+def _write_widths(run_dir: str, allocator) -> None:
     record = {"step": allocator.updated_at, "widths": dict(zip(allocator.layers,
                                                                allocator.widths()))}
-    with open(os.path.join(args.run_dir, "stquant_widths.jsonl"), "a", encoding="utf-8") as f:
+    with open(os.path.join(run_dir, "stquant_widths.jsonl"), "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
 
 
-def stquant_extension(controller=None) -> Extension:
-    """The STQuant extension (it shares nothing with the plan controller)."""
+class StquantRun:
+    """One run's STQuant: the settings built in ``validate`` (None: off)."""
 
-    def wrap_optimizer(args, model, optimizer):
-        if args.optimizer != "stquant-adamw":
+    def __init__(self):
+        self.config: STQuantConfig | None = None
+        """The settings (None: STQuant is off)."""
+        self.run_dir: str | None = None
+        """Where rank 0 appends the widths (``--run-dir``)."""
+
+    def validate(self, args) -> None:
+        self.config, self.run_dir = config_from_args(args), args.run_dir
+
+    def wrap_optimizer(self, args, model, optimizer):
+        if self.config is None:
             return optimizer
-        return STQuantOptimizer(optimizer, model, config_from_args(args))
+        return STQuantOptimizer(optimizer, model, self.config)
 
-    def on_step(args, run, state):
-        if args.optimizer != "stquant-adamw":
+    def on_step(self, args, run, state):
+        if self.config is None:
             return None
         allocator = run.optimizer.allocator
-        if allocator.updated_at == allocator.step and dist.get_rank() == 0:
-            _write_widths(args, allocator)
+        if allocator.updated_at == allocator.step and dist.get_rank() == 0 and self.run_dir:
+            _write_widths(self.run_dir, allocator)
         return run.optimizer.metrics()
 
-    return Extension("stquant", add_arguments=add_arguments, validate=validate,
-                     wrap_optimizer=wrap_optimizer, on_step=on_step,
-                     dry_run_estimate=dry_run.estimate)
+
+def stquant_extension(controller=None) -> Extension:
+    """The STQuant extension (it shares nothing with the plan controller); it brings the
+    ``--optimizer stquant-adamw`` choice."""
+    stquant = StquantRun()
+    return Extension("stquant", add_arguments=add_arguments, validate=stquant.validate,
+                     active=active, enabled_by=ENABLED_BY, optimizers=(OPTIMIZER,),
+                     wrap_optimizer=stquant.wrap_optimizer, on_step=stquant.on_step,
+                     dry_run_estimate=lambda args, context:
+                     dry_run.estimate(stquant.config, context))
