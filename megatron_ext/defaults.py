@@ -10,9 +10,19 @@ here.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
-from megatron_ext.extension import Extension, declared
+from megatron_ext.extension import Extension, Plot, declared
+
+METHODS = ("snip", "pgq", "stquant", "gaussws", "gnmr")
+"""Every method of the package, in hook order: ``megatron_ext/methods/<name>/`` has
+``extension.py`` with ``<name>_extension(controller)`` and ``plots.py`` with ``PLOTS`` (the
+plots its Extension brings)."""
+
+
+def _module(method: str, module: str):
+    return importlib.import_module(f"megatron_ext.methods.{method}.{module}")
 
 
 def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
@@ -20,17 +30,18 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
     platform (``extra`` too: a method kept outside the package, a test's); the platform offers
     the ``--precision`` policies they bring (``Extension.policies``) and no others."""
-    from megatron_ext.methods.gaussws.extension import gaussws_extension
-    from megatron_ext.methods.gnmr.extension import gnmr_extension
-    from megatron_ext.methods.pgq.extension import pgq_extension
-    from megatron_ext.methods.snip.extension import snip_extension
-    from megatron_ext.methods.stquant.extension import stquant_extension
     from megatron_ext.precision.controller import PlanController
     from megatron_ext.precision.extension import PrecisionRun, precision_extension
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [make(controller) for make in (snip_extension, pgq_extension, stquant_extension,
-                                             gaussws_extension, gnmr_extension, *extra)]
+    makers = [getattr(_module(m, "extension"), f"{m}_extension") for m in METHODS]
+    methods = [make(controller) for make in (*makers, *extra)]
     platform = PrecisionRun(controller, declared(methods, "policies"))  # the run's policies
     return [FaultHandler().extension(), *methods, precision_extension(platform)]
+
+
+def default_plots() -> list[Plot]:
+    """The plots the methods' Extensions bring (``tools/plot_precision.py``'s subcommands),
+    read from their light ``plots.py`` without building a run (no megatron-core import)."""
+    return [plot for m in METHODS for plot in _module(m, "plots").PLOTS]

@@ -79,6 +79,21 @@ class DryRunPart:
 
 
 @dataclass(frozen=True)
+class Plot:
+    """One ``tools/plot_precision.py`` subcommand an extension brings (its figures)."""
+
+    name: str
+    """The subcommand (``gnmr``)."""
+    help: str
+    """One line for ``--help``."""
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    """Adds its inputs and options to the subcommand's parser (the tool adds ``--out``,
+    ``--dpi``)."""
+    draw: Callable[[argparse.Namespace], Any]
+    """``draw(args)`` -> the matplotlib ``Figure``; ``ValueError`` (one line) for bad input."""
+
+
+@dataclass(frozen=True)
 class Extension:
     """Callbacks one feature contributes to a training run."""
 
@@ -98,6 +113,8 @@ class Extension:
     optimizers: tuple[tuple[str, str], ...] = ()
     """``(name, help)`` of each ``--optimizer`` choice it builds or wraps (training owns the
     flag; ``adam``, megatron-core's, is always offered)."""
+    plots: tuple[Plot, ...] = ()
+    """The ``tools/plot_precision.py`` subcommands it brings (its own figures)."""
     validate: Callable[[argparse.Namespace], None] | None = None
     """Checks the parsed flags; raises ``UsageError`` with a one-line message. Runs for the
     dry run too."""
@@ -188,7 +205,7 @@ def refuse_inactive_flags(extensions: list[Extension], args: argparse.Namespace,
 
 def declared(extensions: list[Extension], name: str) -> list:
     """Everything the extensions declare in their tuple field ``name`` (``policies``,
-    ``optimizers``), in list order."""
+    ``optimizers``, ``plots``), in list order."""
     return [item for e in extensions for item in getattr(e, name)]
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
+import torch.distributed as dist
+
 from megatron_ext.errors import UsageError
 from megatron_ext.formats import get_format
 from megatron_ext.precision.plan import PrecisionPlan
@@ -209,3 +211,13 @@ class PlanController:
         for data in state["overlays"]:
             overlay = Overlay.from_dict(data)
             self.overlays[(overlay.owner, overlay.name)] = overlay
+
+
+def verify_same_plan(plan: PrecisionPlan, group=None) -> None:
+    """All-gather the plan hash over ``group`` (default: every rank); ``RuntimeError`` on
+    every rank if any rank holds another plan."""
+    hashes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, plan.hash, group=group)
+    if len(set(hashes)) > 1:
+        by_rank = ", ".join(f"rank {r}: {h[:12]}" for r, h in enumerate(hashes))
+        raise RuntimeError(f"ranks hold different precision plans ({by_rank})")

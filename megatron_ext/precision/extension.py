@@ -31,11 +31,10 @@ from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.precision import dry_run
 from megatron_ext.precision import policies as policies_
-from megatron_ext.precision.controller import PlanController
+from megatron_ext.precision.controller import PlanController, verify_same_plan
 from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
-from megatron_ext.precision.layers import quantized_linear_classes
-from megatron_ext.precision.plan import PrecisionPlan, apply_plan, load_plan, save_plan, \
-    verify_same_plan
+from megatron_ext.precision.layers import apply_plan, quantized_linear_classes
+from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
 
 PLAN_FILE = "precision_plan.json"
 """The plan in force, in the run directory (written by rank 0 whenever it changes)."""

@@ -37,7 +37,8 @@ from megatron.core.tensor_parallel.mappings import (
 
 from megatron_ext.precision import te
 from megatron_ext.precision.gemm import RecomputableWeight, quantized_gemm
-from megatron_ext.sites import site_id
+from megatron_ext.sites import SITES, parse_site_id, site_id
+from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.sites import SiteFormats, resolve
 
 
@@ -142,3 +143,18 @@ def add_transform(model, sites, transform) -> None:
     linears = quantized_linears(model)
     for sid in sites:
         linears[sid].transforms = (*linears[sid].transforms, transform)
+
+
+def apply_plan(model, plan: PrecisionPlan, num_layers: int) -> int:
+    """Set every quantized linear of ``model`` (this rank's chunks) to its formats in
+    ``plan``; returns how many were set. Every local layer must have all four sites."""
+    plan.check_model(num_layers)
+    linears = quantized_linears(model)
+    layers = {parse_site_id(sid)[0] for sid in linears}
+    missing = [site_id(layer, s) for layer in sorted(layers) for s in SITES
+               if site_id(layer, s) not in linears]
+    if missing:
+        raise RuntimeError(f"model has no quantized linear for site(s) {missing}")
+    for sid, module in linears.items():
+        module.formats = plan.formats(sid)
+    return len(linears)

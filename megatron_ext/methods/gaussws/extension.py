@@ -39,6 +39,7 @@ from megatron_ext.sites import site_id
 from .attach import SampledSites
 from .config import GaussWSConfig, add_arguments
 from .noise import NoiseSeeds
+from .plots import PLOTS
 from .weight import bitwidth_loss
 
 OWNER = "gaussws"
@@ -160,6 +161,7 @@ def gaussws_extension(plans: PlanController) -> Extension:
     run = GaussWSRun(plans)
     return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
                      active=lambda args: bool(args.gaussws), enabled_by="--gaussws SITES",
+                     plots=PLOTS,
                      after_model=run.after_model, wrap_optimizer=run.wrap_optimizer,
                      after_setup=run.after_setup, before_step=run.before_step,
                      on_step=run.on_step)

@@ -59,6 +59,7 @@ from megatron_ext.methods.gnmr import dry_run, flags
 from megatron_ext.methods.gnmr.controller import Decision, GnmrConfig, GnmrController
 from megatron_ext.methods.gnmr.grads import NormReader
 from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector
+from megatron_ext.methods.gnmr.plots import PLOTS
 from megatron_ext.methods.gnmr.promote import promotion_overlay
 from megatron_ext.methods.gnmr.units import unit_ids
 from megatron_ext.precision.controller import PlanController
@@ -207,7 +208,7 @@ def gnmr_extension(plans: PlanController) -> Extension:
     """The GNMR Extension of one run; its promotions are an overlay on ``plans``."""
     run = GnmrRun(plans)
     return Extension(name=OWNER, add_arguments=flags.add_arguments, validate=run.validate,
-                     active=flags.active, enabled_by="--gnmr",
+                     active=flags.active, enabled_by="--gnmr", plots=PLOTS,
                      wrap_optimizer=run.wrap_optimizer, after_setup=run.after_setup,
                      before_step=run.before_step, on_step=run.on_step,
                      on_nonfinite=run.on_nonfinite, on_train_end=run.on_train_end,

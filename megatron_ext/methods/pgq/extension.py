@@ -34,6 +34,7 @@ from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.pgq.observe import collect_profile
 from megatron_ext.methods.pgq.options import (add_profile_arguments, add_recipe_arguments,
                                               candidates, recipe_config)
+from megatron_ext.methods.pgq.plots import PLOTS
 from megatron_ext.methods.pgq.profile import load_profile
 from megatron_ext.methods.pgq.recipe import make_recipe
 from megatron_ext.methods.pgq.report import summary, write_recipe
@@ -154,5 +155,6 @@ def pgq_extension(controller: PlanController) -> Extension:
 
     return Extension(name=POLICY, add_arguments=add_arguments, validate=pgq.validate,
                      active=active, enabled_by=f"--precision {POLICY}", policies=(PGQ_POLICY,),
+                     plots=PLOTS,
                      after_setup=when_on(pgq.after_setup),
                      before_step=when_on(pgq.before_step), on_step=when_on(pgq.on_step))

@@ -40,6 +40,7 @@ from megatron_ext.methods.snip.divergence import SiteStats, divergences
 from megatron_ext.methods.snip.flags import ENABLED_BY, POLICIES, SnipConfig, active, \
     add_arguments, config_from_args
 from megatron_ext.methods.snip.options import option_name
+from megatron_ext.methods.snip.plots import PLOTS
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.snip.refresh import adam_statistics, collect, reduce_statistics
 from megatron_ext.errors import UsageError
@@ -253,7 +254,7 @@ def snip_extension(controller: PlanController) -> Extension:
         return lambda args, *rest: hook(args, *rest) if snip.config is not None else None
 
     return Extension(name="snip", add_arguments=add_arguments, validate=snip.validate,
-                     active=active, enabled_by=ENABLED_BY, policies=policies,
+                     active=active, enabled_by=ENABLED_BY, policies=policies, plots=PLOTS,
                      after_setup=when_on(snip.after_setup), before_step=when_on(snip.before_step),
                      on_step=when_on(snip.on_step),
                      dry_run_estimate=when_on(lambda args, context:

@@ -20,6 +20,7 @@ from megatron_ext.methods.stquant import dry_run
 from megatron_ext.methods.stquant.flags import ENABLED_BY, OPTIMIZER, active, add_arguments, \
     config_from_args
 from megatron_ext.methods.stquant.optimizer import STQuantConfig, STQuantOptimizer
+from megatron_ext.methods.stquant.plots import PLOTS
 
 
 def _write_widths(run_dir: str, allocator) -> None:
@@ -60,7 +61,7 @@ def stquant_extension(controller=None) -> Extension:
     ``--optimizer stquant-adamw`` choice."""
     stquant = StquantRun()
     return Extension("stquant", add_arguments=add_arguments, validate=stquant.validate,
-                     active=active, enabled_by=ENABLED_BY, optimizers=(OPTIMIZER,),
+                     active=active, enabled_by=ENABLED_BY, optimizers=(OPTIMIZER,), plots=PLOTS,
                      wrap_optimizer=stquant.wrap_optimizer, on_step=stquant.on_step,
                      dry_run_estimate=lambda args, context:
                      dry_run.estimate(stquant.config, context))

@@ -14,7 +14,8 @@ from megatron_ext.precision.layers import (
     quantized_linear_classes,
     quantized_linears,
 )
-from megatron_ext.precision.plan import PrecisionPlan, apply_plan
+from megatron_ext.precision.layers import apply_plan
+from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.sites import SITES
 from megatron_ext.precision.sites import SiteFormats, resolve

@@ -17,7 +17,8 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.compat import cpu
 from megatron_ext.precision.layers import quantized_class
-from megatron_ext.precision.plan import PrecisionPlan, verify_same_plan
+from megatron_ext.precision.controller import verify_same_plan
+from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.precision.sites import SiteFormats
 from megatron_ext.training.distributed import init_process_group, resolve_launch

@@ -284,3 +284,34 @@ def test_bad_input_is_one_line_exit_2_and_no_file(case, inputs, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_subcommands_are_assembled_from_the_extensions(tmp_path, capsys):
+    """Issue 24, item 2: a method's plot is a subcommand when its extension brings it, and
+    not otherwise (the tool hard-codes none of them)."""
+    from matplotlib.figure import Figure
+
+    from megatron_ext.extension import Plot
+    from megatron_ext.viz.cli import main
+
+    seen = []
+
+    def draw(args):
+        seen.append(args.value)
+        return Figure(figsize=(1, 1))
+
+    toy = Plot("toy", "a toy figure", lambda p: p.add_argument("value"), draw)
+    out = tmp_path / "toy.png"
+    assert main(["toy", "7", "--out", str(out)], plots=[toy]) == 0
+    assert seen == ["7"] and out.stat().st_size > 0
+    assert main(["gnmr", "run", "--out", str(tmp_path / "g.png")], plots=[toy]) == 2
+    assert "invalid choice: 'gnmr'" in capsys.readouterr().err
+
+
+def test_the_tool_offers_exactly_the_plots_the_default_extensions_bring():
+    from megatron_ext.defaults import default_extensions, default_plots
+    from megatron_ext.extension import declared
+
+    names = [p.name for p in default_plots()]
+    assert names == [p.name for p in declared(default_extensions(), "plots")]
+    assert {"evolution", "divergence", "gnmr", "pgq", "stquant", "gaussws"} == set(names)
