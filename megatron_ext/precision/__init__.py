@@ -4,7 +4,7 @@ Importing the package gives the **value types** only (no torch.nn, no megatron-c
 :class:`PrecisionPlan`, :class:`SiteFormats`, :func:`load_plan`, :func:`save_plan`. The
 machinery lives in its modules, layered (``.importlinter``, contract ``precision-layers``):
 
-* :mod:`.sites`, :mod:`.plan` — site formats and the plan (JSON, hash): values;
+* :mod:`.site_formats`, :mod:`.plan` — site formats and the plan (JSON, hash): values;
 * :mod:`.cost` — FLOP accounting by precision class, overall and per pipeline stage;
 * :mod:`.gemm`, :mod:`.recipe_export`, :mod:`.te`, :mod:`.layers` — the quantized GEMM, the
   TE recipe table, quantized megatron ``Column/RowParallelLinear`` and ``apply_plan``;
@@ -17,6 +17,6 @@ See ``docs/precision.md``.
 """
 
 from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 __all__ = ["PrecisionPlan", "SiteFormats", "load_plan", "save_plan"]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_ext.errors import UsageError
 from megatron_ext.formats import get_format
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import OPERANDS, ROLES
 
 RULES = ("set", "raise")

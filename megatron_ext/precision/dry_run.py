@@ -24,7 +24,7 @@ from megatron_ext.extension import DryRunPart, StageTimes
 from megatron_ext.precision.controller import PlanController, compose
 from megatron_ext.precision.cost import ModelShape, flop_report, stage_seconds
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import SITES
 
 NO_PLAN = "none: BF16 GEMMs"

@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from megatron_ext.formats import Format, fake_quant
 from megatron_ext.formats.amax import finite_amax
-from megatron_ext.precision.sites import GemmOperands
+from megatron_ext.precision.site_formats import GemmOperands
 
 
 def quantize(t: torch.Tensor, fmt: Format | None, axis: int, group=None) -> torch.Tensor:

@@ -15,7 +15,7 @@ same collectives in the same places:
   backward: more memory here, same math).
 
 A site's formats are the mutable attribute ``formats`` (a
-:class:`~megatron_ext.precision.sites.SiteFormats`, passthrough at build), read on every call:
+:class:`~megatron_ext.precision.site_formats.SiteFormats`, passthrough at build), read on every call:
 switching formats between steps rebuilds nothing. With every operand passthrough the call goes
 to megatron's own ``_forward_impl``, so such a site *is* megatron's linear — unless an operand
 transform returned a :class:`~.gemm.RecomputableWeight`: then the quantized GEMM with
@@ -39,7 +39,7 @@ from megatron_ext.precision import te
 from megatron_ext.precision.gemm import RecomputableWeight, quantized_gemm
 from megatron_ext.sites import SITES, parse_site_id, site_id
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SiteFormats, resolve
+from megatron_ext.precision.site_formats import SiteFormats, resolve
 
 
 class QuantizedLinear:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from megatron_ext.io import read_json, write_text_atomic
 from megatron_ext.sites import SITES, parse_site_id, site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 VERSION = 1
 _META_KEYS = ("method", "step", "budget", "objective", "stage_fp4_frac")

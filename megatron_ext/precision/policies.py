@@ -33,7 +33,7 @@ from typing import Callable
 
 from megatron_ext.precision.controller import Overlay
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import SITES, all_site_ids, site_id
 
 UNIFORM = {

@@ -34,7 +34,7 @@ from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import Policy
 from megatron_ext.sites import SITES, ROLES, site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import dry_run, planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences
 from megatron_ext.methods.snip.flags import ENABLED_BY, POLICIES, SnipConfig, active, \

@@ -13,7 +13,7 @@ from megatron_ext.errors import UsageError
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.options import DEFAULT_CANDIDATES, parse_candidates
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
 """The ``--precision`` policies SNIP owns."""

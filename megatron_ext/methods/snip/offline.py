@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
 from megatron_ext.sites import parse_site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.divergence import SiteStats
 from megatron_ext.methods.snip.options import Candidates

@@ -30,7 +30,7 @@ from megatron_ext.methods.snip import options
 from megatron_ext.methods.snip.problem import Option, Problem, Site
 from megatron_ext.precision.cost import ModelShape, site_cost, stage_fixed_seconds
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import ROLES, SITES
 
 _OPTION_ROLES = ((), ("x", "w", "dy"), ("x", "w"), ("w", "dy"), ("x", "dy"),

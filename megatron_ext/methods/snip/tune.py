@@ -42,7 +42,7 @@ from dataclasses import replace
 
 from megatron_ext.precision.cost import operand_class
 from megatron_ext.sites import ROLES
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip.divergence import divergences
 from megatron_ext.methods.snip.ilp import STATUSES, Solution, SolverConfig, solve
 from megatron_ext.methods.snip.ilp_arrays import stage_time_bound

@@ -3,7 +3,7 @@ training/ or precision/): a policy, and an overlay that raises one site to BF16.
 
 from megatron_ext.extension import Extension
 from megatron_ext.precision.policies import Policy, uniform_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 PROMOTED = "L0.fc2"
 """The site the overlay raises."""

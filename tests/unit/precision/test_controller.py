@@ -6,7 +6,7 @@ import pytest
 from megatron_ext.precision.controller import Overlay, PlanController, compose, raise_formats
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM, uniform_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 FP4, FP8, BF16 = UNIFORM["fp4"], UNIFORM["fp8"], UNIFORM["bf16"]
 

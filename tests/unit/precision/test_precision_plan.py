@@ -10,7 +10,7 @@ import pytest
 from megatron_ext.precision.extension import PrecisionRun, add_arguments
 from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
 from megatron_ext.precision.policies import UNIFORM, PolicySet, uniform_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.errors import UsageError
 
 PLAN = PrecisionPlan(

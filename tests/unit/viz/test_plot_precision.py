@@ -22,7 +22,7 @@ from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.controller import compose
 from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
 from megatron_ext.sites import SITES, site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.viz.cli import main
 from megatron_ext.viz.colors import CLASS_COLORS, family_color, format_family
 from megatron_ext.viz.inputs import default_option, fp4_roles

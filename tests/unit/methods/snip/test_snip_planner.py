@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ext.precision.cost import ModelShape, flop_report, site_cost, stage_fixed_seconds
 from megatron_ext.sites import SITES
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences, loss_divergence
 from megatron_ext.methods.snip.ilp import SolverConfig
