@@ -56,7 +56,7 @@ import torch.distributed as dist
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.methods.gnmr import dry_run, flags
-from megatron_ext.methods.gnmr.controller import Decision, GnmrConfig, GnmrController
+from megatron_ext.methods.gnmr.decisions import Decision, GnmrConfig, GnmrController
 from megatron_ext.methods.gnmr.grads import NormReader
 from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector
 from megatron_ext.methods.gnmr.plots import PLOTS

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 
 from megatron_ext.errors import UsageError
-from megatron_ext.methods.gnmr.controller import COMPARES, HIGH_CHOICES, GnmrConfig, \
+from megatron_ext.methods.gnmr.decisions import COMPARES, HIGH_CHOICES, GnmrConfig, \
     parse_max_promoted
 from megatron_ext.methods.gnmr.rules import RULES
 from megatron_ext.methods.gnmr.units import GRANULARITIES

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.formats import available, get_format
-from megatron_ext.methods.gnmr.controller import HIGH_CHOICES
+from megatron_ext.methods.gnmr.decisions import HIGH_CHOICES
 from megatron_ext.methods.gnmr.promote import promoted_formats, promotion_overlay
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
