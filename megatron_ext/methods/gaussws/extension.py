@@ -37,7 +37,7 @@ from megatron_ext.precision.controller import PlanController
 from megatron_ext.sites import site_id
 
 from .attach import SampledSites
-from .config import GaussWSConfig, add_arguments
+from .flags import GaussWSConfig, add_arguments
 from .noise import NoiseSeeds
 from .plots import PLOTS
 from .weight import bitwidth_loss

@@ -32,7 +32,7 @@ from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.pgq.observe import collect_profile
-from megatron_ext.methods.pgq.options import (add_profile_arguments, add_recipe_arguments,
+from megatron_ext.methods.pgq.flags import (add_profile_arguments, add_recipe_arguments,
                                               candidates, recipe_config)
 from megatron_ext.methods.pgq.plots import PLOTS
 from megatron_ext.methods.pgq.profile import load_profile

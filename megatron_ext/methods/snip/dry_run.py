@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from megatron_ext.extension import DryRunPart
 from megatron_ext.methods.snip.ilp import SolverConfig, solve
-from megatron_ext.methods.snip.options import parse_option_name
+from megatron_ext.methods.snip.candidates import parse_option_name
 from megatron_ext.methods.snip.synthetic import synthetic_problem
 from megatron_ext.precision.cost import ModelShape, layer_stages
 from megatron_ext.precision.dry_run import micro_batch_shape

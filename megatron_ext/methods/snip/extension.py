@@ -39,7 +39,7 @@ from megatron_ext.methods.snip import dry_run, planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences
 from megatron_ext.methods.snip.flags import ENABLED_BY, POLICIES, SnipConfig, active, \
     add_arguments, config_from_args
-from megatron_ext.methods.snip.options import option_name
+from megatron_ext.methods.snip.candidates import option_name
 from megatron_ext.methods.snip.plots import PLOTS
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.snip.refresh import adam_statistics, collect, reduce_statistics

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from megatron_ext.errors import UsageError
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
-from megatron_ext.methods.snip.options import DEFAULT_CANDIDATES, parse_candidates
+from megatron_ext.methods.snip.candidates import DEFAULT_CANDIDATES, parse_candidates
 from megatron_ext.precision.site_formats import SiteFormats
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES

@@ -32,7 +32,7 @@ from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip.divergence import (Divergence, SiteStats, divergences,
                                            quantization_errors)
 from megatron_ext.methods.snip.ilp import Solution, SolverConfig, solve
-from megatron_ext.methods.snip.options import option_name
+from megatron_ext.methods.snip.candidates import option_name
 from megatron_ext.methods.snip.problem import Option, Problem, Site
 
 STATS_POLICIES = ("snip", "min-abs-err", "min-rel-err")
