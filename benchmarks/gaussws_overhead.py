@@ -59,7 +59,7 @@ from megatron_ext.methods.gaussws import (
     recomputable_sample,
 )
 from megatron_ext.precision.gemm import quantized_gemm
-from megatron_ext.precision.sites import SiteFormats, resolve
+from megatron_ext.precision.site_formats import SiteFormats, resolve
 
 SITES = {"qkv": (256, 128), "proj": (128, 128), "fc1": (704, 128), "fc2": (128, 352)}
 """(out, in) features of the tiny Llama's sites (hidden 128, 4 heads in 2 groups, FFN 352,

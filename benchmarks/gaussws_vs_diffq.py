@@ -51,7 +51,7 @@ from gaussws_overhead import CHILD, SITES, measure_site, pretrain_child, saved_b
 from megatron_ext.errors import UsageError, run_cli  # noqa: E402
 from megatron_ext.extension import Extension  # noqa: E402
 from megatron_ext.io import write_json_atomic  # noqa: E402
-from megatron_ext.methods.gaussws.config import SITE_GROUPS  # noqa: E402
+from megatron_ext.methods.gaussws.flags import SITE_GROUPS  # noqa: E402
 from megatron_ext.precision.recipe_export import MODULES  # noqa: E402
 
 LAMBDA = "1e-4"

@@ -149,7 +149,7 @@ def train(args, out) -> dict:
     """Tokens/s and peak memory of each training row at the TinyLlama-1.1B shape."""
     from benchmarks.gpu_check import TRAIN_CONFIGS, TRAIN_SHAPE
     from megatron_ext.precision.plan import PrecisionPlan, save_plan
-    from megatron_ext.precision.sites import SiteFormats
+    from megatron_ext.precision.site_formats import SiteFormats
     from megatron_ext.sites import all_site_ids
 
     plan_file = out / "fp8_tensor_plan.json"

@@ -38,7 +38,7 @@ def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int =
               fp4: str = "fp4"):
     from megatron_ext.defaults import default_extensions
     from megatron_ext.methods.snip.groundtruth import check
-    from megatron_ext.methods.snip.options import parse_candidates
+    from megatron_ext.methods.snip.candidates import parse_candidates
     from megatron_ext.precision.policies import UNIFORM
     from megatron_ext.training.arguments import parse_args
     from megatron_ext import extension as ext

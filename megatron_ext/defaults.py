@@ -2,33 +2,46 @@
 
 ``pretrain_llama.py`` / ``pretrain_gpt.py`` call ``main(family, extensions=default_extensions())``.
 Faults come first (they count a skipped step before methods react to it), the methods next,
-the precision platform last (it commits the plan changes methods made in a hook, at the step
-boundary that follows). A new method adds one line here.
+the precision platform last. Plan changes do not depend on this order: the platform commits
+them in the ``commit_step`` phase, after every extension's ``before_step``, and GNMR's
+promotions are derived from the base in force at that commit. A new method adds one line
+here.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
-from megatron_ext.extension import Extension
+from megatron_ext.extension import Extension, Plot, declared
+
+METHODS = ("snip", "pgq", "stquant", "gaussws", "gnmr")
+"""Every method of the package, in hook order: ``megatron_ext/methods/<name>/`` has
+``extension.py`` with ``<name>_extension(controller)`` and ``plots.py`` with ``PLOTS`` (the
+plots its Extension brings)."""
+
+
+def _module(method: str, module: str):
+    return importlib.import_module(f"megatron_ext.methods.{method}.{module}")
 
 
 def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     """Faults, every method, then the ``extra`` ones, then the precision platform. Methods
     are factories ``make(controller) -> Extension`` sharing one plan controller with the
-    platform (``extra`` too: a method kept outside the package, a test's)."""
-    from megatron_ext.methods.gaussws.extension import gaussws_extension
-    from megatron_ext.methods.gnmr.extension import gnmr_extension
-    from megatron_ext.methods.pgq.extension import pgq_extension
-    from megatron_ext.methods.snip.extension import snip_extension
-    from megatron_ext.methods.stquant.extension import stquant_extension
+    platform (``extra`` too: a method kept outside the package, a test's); the platform offers
+    the ``--precision`` policies they bring (``Extension.policies``) and no others."""
     from megatron_ext.precision.controller import PlanController
     from megatron_ext.precision.extension import PrecisionRun, precision_extension
     from megatron_ext.training.faults import FaultHandler
 
     controller = PlanController()
-    methods = [snip_extension, pgq_extension, stquant_extension, gaussws_extension, gnmr_extension,
-               *extra]
-    # GNMR last among the methods: it lifts the base plan the others made
-    return [FaultHandler().extension(), *(make(controller) for make in methods),
-            precision_extension(PrecisionRun(controller))]
+    makers = [getattr(_module(m, "extension"), f"{m}_extension") for m in METHODS]
+    methods = [make(controller) for make in (*makers, *extra)]
+    platform = PrecisionRun(controller, declared(methods, "policies"))  # the run's policies
+    return [FaultHandler().extension(), *methods, precision_extension(platform)]
+
+
+def default_plots() -> list[Plot]:
+    """The plots the methods' Extensions bring (``tools/plot_precision.py``'s subcommands),
+    read from their light ``plots.py`` without building a run (no megatron-core import)."""
+    return [plot for m in METHODS for plot in _module(m, "plots").PLOTS]

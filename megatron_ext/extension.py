@@ -13,10 +13,14 @@ full set). Every hook is optional and every per-run hook has the same arguments,
   ``skipped``);
 * ``state`` — the ``TrainState`` (``iteration``, ``consumed_samples``).
 
-Hooks run in list order. The precision platform's extension comes last in the defaults, so a
-plan change a method makes in ``before_step`` or ``on_step`` lands at the next step boundary,
-on every rank. Extensions never call each other; they share state through the registries of
-``megatron_ext.precision`` (policies, the plan controller's overlays, operand transforms).
+Hooks run in list order, and before every step in two **phases**: every extension's
+``before_step`` (observed passes, proposals: a new base plan, an overlay), then every
+extension's ``commit_step`` (the precision platform makes the plan in force of what was
+proposed). So a plan change a method makes in ``before_step`` lands at that step, and one
+made in ``on_step`` at the next, on every rank, whatever the list order; an overlay that
+depends on the base plan is derived from it at the commit (``PlanController.set_overlay(...,
+derive=...)``). Extensions never call each other; they share state through the plan
+controller of ``megatron_ext.precision`` (base plan, overlays, operand transforms).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from megatron_ext.errors import UsageError
 
 Hook = Callable[[argparse.Namespace, Any, Any], Any]
 """``hook(args, run, state)``."""
@@ -73,13 +79,42 @@ class DryRunPart:
 
 
 @dataclass(frozen=True)
+class Plot:
+    """One ``tools/plot_precision.py`` subcommand an extension brings (its figures)."""
+
+    name: str
+    """The subcommand (``gnmr``)."""
+    help: str
+    """One line for ``--help``."""
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    """Adds its inputs and options to the subcommand's parser (the tool adds ``--out``,
+    ``--dpi``)."""
+    draw: Callable[[argparse.Namespace], Any]
+    """``draw(args)`` -> the matplotlib ``Figure``; ``ValueError`` (one line) for bad input."""
+
+
+@dataclass(frozen=True)
 class Extension:
     """Callbacks one feature contributes to a training run."""
 
     name: str
     """Short name, used in messages and as the owner of its overlays and checkpoint state."""
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
-    """Adds the feature's flags (an argument group) to the parser."""
+    """Adds the feature's flags (its flag group) to the parser."""
+    active: Callable[[argparse.Namespace], bool] | None = None
+    """``active(args)``: whether the parsed flags switch the feature on (None: always on).
+    A flag of its group given while it is off is refused with one line naming the flag and
+    ``enabled_by`` (:func:`refuse_inactive_flags`)."""
+    enabled_by: str = ""
+    """What switches it on, for that line (``--gnmr``, ``--precision snip | ...``)."""
+    policies: tuple = ()
+    """The ``--precision`` policies it brings (``megatron_ext.precision.policies.Policy``):
+    a run offers those of its extensions only."""
+    optimizers: tuple[tuple[str, str], ...] = ()
+    """``(name, help)`` of each ``--optimizer`` choice it builds or wraps (training owns the
+    flag; ``adam``, megatron-core's, is always offered)."""
+    plots: tuple[Plot, ...] = ()
+    """The ``tools/plot_precision.py`` subcommands it brings (its own figures)."""
     validate: Callable[[argparse.Namespace], None] | None = None
     """Checks the parsed flags; raises ``UsageError`` with a one-line message. Runs for the
     dry run too."""
@@ -109,7 +144,10 @@ class Extension:
     """After the model, optimizer and checkpointer exist, before ``--load``: register
     checkpoint state, apply the first plan."""
     before_step: Hook | None = None
-    """Before each optimizer step: observed passes, plan switches."""
+    """Before each optimizer step, first phase: observed passes, proposed plan switches."""
+    commit_step: Hook | None = None
+    """Before each optimizer step, second phase, after every extension's ``before_step``:
+    make what they proposed take effect (the precision platform commits the plan)."""
     on_step: Callable[..., dict | None] | None = None
     """After each optimizer step (``run.step_result`` holds its result); a returned dict is
     merged into that step's metrics record."""
@@ -141,6 +179,38 @@ def args_provider(extensions: list[Extension]):
         return parser
 
     return provide
+
+
+def flag_groups(extensions: list[Extension]) -> dict[str, list[argparse.Action]]:
+    """Extension name -> the flags (argparse actions) its ``add_arguments`` adds."""
+    groups = {}
+    for e in extensions:
+        if e.add_arguments is not None:
+            parser = argparse.ArgumentParser(add_help=False)
+            e.add_arguments(parser)
+            groups[e.name] = list(parser._actions)
+    return groups
+
+
+def refuse_inactive_flags(extensions: list[Extension], args: argparse.Namespace,
+                          given: set[str]) -> None:
+    """``UsageError`` naming the first flag in ``given`` (option strings the command line
+    holds) whose extension is off, and what switches that extension on."""
+    groups = flag_groups(extensions)
+    for e in extensions:
+        if e.active is None or e.active(args):
+            continue
+        for action in groups.get(e.name, ()):
+            flag = next((o for o in action.option_strings if o in given), None)
+            if flag is not None:
+                raise UsageError(f"{flag} is a flag of {e.name}, which is off: it needs "
+                                 f"{e.enabled_by or 'its switch'}")
+
+
+def declared(extensions: list[Extension], name: str) -> list:
+    """Everything the extensions declare in their tuple field ``name`` (``policies``,
+    ``optimizers``, ``plots``), in list order."""
+    return [item for e in extensions for item in getattr(e, name)]
 
 
 def hooks(extensions: list[Extension], name: str) -> list[Callable]:

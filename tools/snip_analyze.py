@@ -106,7 +106,7 @@ def _warm_start(path: str | None) -> dict[str, str] | None:
         raise UsageError(f"--warm-start: {err}") from None
     if isinstance(data.get("choice"), dict):
         return data["choice"]
-    from megatron_ext.methods.snip.options import option_name
+    from megatron_ext.methods.snip.candidates import option_name
     from megatron_ext.precision.plan import load_plan
 
     try:
@@ -131,7 +131,7 @@ def _check_plan_possible(problem: Problem, args: argparse.Namespace) -> None:
 
 def _plan(problem: Problem, solution):
     """The PrecisionPlan of ``solution`` (method and step from the problem's meta)."""
-    from megatron_ext.methods.snip.options import parse_option_name
+    from megatron_ext.methods.snip.candidates import parse_option_name
     from megatron_ext.methods.snip.planner import plan_from_solution
 
     names = dict.fromkeys(o.name for s in problem.sites for o in s.options)

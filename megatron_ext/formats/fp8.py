@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import torch
 
-from .elements import FloatElement
 from .registry import Format
 from .scaling import AmaxScaling
 

@@ -12,20 +12,31 @@ extension and has a rule:
   already holds high: promotions compose with any base.
 
 The effective plan is ``overlay_n(...overlay_1(base))`` in the order overlays were first set.
+An overlay whose sites depend on the base (GNMR's: "these units, lifted one class up") is laid
+as a **derived** overlay, ``derive(base sites) -> sites``, evaluated against the base in force
+whenever the effective plan is composed: whoever sets the base, in whichever hook and in
+whichever extension order, the derived overlay follows it at the same commit.
+
 Methods call :meth:`PlanController.set_base` / :meth:`~PlanController.set_overlay` whenever
-they like; nothing reaches the model until :meth:`~PlanController.commit`, which the precision
-extension calls before every step (the same step on every rank), so a SNIP refresh can no
-longer silently undo another method's change: it replaces the base, the overlays stay. The
-base, the overlays and their owners are checkpoint state, restored exactly on resume.
+they like; nothing reaches the model until the precision platform commits, in the
+``commit_step`` phase that follows every extension's ``before_step`` (the same step on every
+rank), so a SNIP refresh can no longer silently undo another method's change: it replaces the
+base, the overlays stay. The base, the overlays (a derived one as its sites over the current
+base) and their owners are checkpoint state, restored exactly on resume. A ``derive`` that
+changes the controller is refused (``RuntimeError``): composing must not depend on order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping
 
+import torch.distributed as dist
+
+from megatron_ext.errors import UsageError
 from megatron_ext.formats import get_format
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import OPERANDS, ROLES
 
 RULES = ("set", "raise")
@@ -65,10 +76,20 @@ class Overlay:
     """Site id -> the formats it sets or raises to."""
     rule: str = "set"
     """``set`` or ``raise`` (module docstring)."""
+    derive: Callable[[Mapping[str, SiteFormats]], dict[str, SiteFormats]] | None = \
+        field(default=None, compare=False)
+    """``derive(base sites) -> sites``: the overlay's sites follow the base in force (None:
+    ``sites`` as given); not checkpointed (the owner lays it again after a resume)."""
 
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"overlay rule must be one of {RULES}, got {self.rule!r}")
+
+    def resolved(self, base: Mapping[str, SiteFormats]) -> "Overlay":
+        """This overlay with ``sites`` evaluated against ``base`` (itself if not derived)."""
+        if self.derive is None:
+            return self
+        return replace(self, sites=dict(self.derive(base)), derive=None)
 
     def over(self, sites: dict[str, SiteFormats]) -> dict[str, SiteFormats]:
         out = dict(sites)
@@ -88,9 +109,10 @@ class Overlay:
 
 
 def compose(base: PrecisionPlan, overlays: list[Overlay]) -> PrecisionPlan:
-    """The effective plan; its method names the base and every non-empty overlay."""
+    """The effective plan; its method names the base and every non-empty overlay. Derived
+    overlays are evaluated against ``base``."""
     sites, method = dict(base.sites), base.method
-    for overlay in overlays:
+    for overlay in (o.resolved(base.sites) for o in overlays):
         if overlay.sites:
             sites = overlay.over(sites)
             method += f"+{overlay.name}"
@@ -110,18 +132,46 @@ class PlanController:
         self.linears_for: set[str] = set()
         """Owners that need every site to be the quantized linear even without a plan (their
         operand transforms live in it); with no plan its operands pass through untouched."""
+        self.plan_needed: list[str] = []
+        """Why extensions need a base plan (one line each); refused without one."""
+        self.flags_read = False
+        """Whether the platform has made the base plan of the flags (its ``validate``)."""
+        self.stand_in = None
+        """``stand_in(args, shape) -> PrecisionPlan``: what ``--dry-run`` assumes for a base
+        plan only training decides (the base's policy's ``Policy.dry_run``; None: the base)."""
+        self._composing = False
+        """True while derived overlays are evaluated (they must not change the controller)."""
 
     def require_linears(self, owner: str) -> None:
         """``owner`` installs operand transforms: build the quantized linears (at validate)."""
         self.linears_for.add(owner)
 
+    def _check_not_composing(self, what: str) -> None:
+        if self._composing:
+            raise RuntimeError(f"plan controller: {what} while an overlay is derived (a derive "
+                               "function must only read the base it is given)")
+
+    def require_plan(self, why: str) -> None:
+        """An extension works on a base plan: ``why`` (one line) becomes the ``UsageError``
+        of a run without one, whether the platform validates before or after the caller."""
+        self.plan_needed.append(why)
+        self.check_plan_needed()
+
+    def check_plan_needed(self) -> None:
+        if self.flags_read and self.base is None and self.plan_needed:
+            raise UsageError(self.plan_needed[0])
+
     def set_base(self, plan: PrecisionPlan) -> None:
+        self._check_not_composing("set_base")
         self.base = plan
 
-    def set_overlay(self, owner: str, name: str, sites: dict[str, SiteFormats],
-                    rule: str = "set") -> None:
-        """Lay (or replace) ``owner``'s overlay ``name``; empty ``sites`` keeps its place."""
-        self.overlays[(owner, name)] = Overlay(owner, name, dict(sites), rule)
+    def set_overlay(self, owner: str, name: str, sites: dict[str, SiteFormats] | None = None,
+                    rule: str = "set", derive=None) -> None:
+        """Lay (or replace) ``owner``'s overlay ``name``: fixed ``sites``, or ``derive(base
+        sites) -> sites`` evaluated at every commit (module docstring); empty keeps its
+        place."""
+        self._check_not_composing("set_overlay")
+        self.overlays[(owner, name)] = Overlay(owner, name, dict(sites or {}), rule, derive)
 
     def overlay(self, owner: str, name: str) -> Overlay | None:
         return self.overlays.get((owner, name))
@@ -129,7 +179,11 @@ class PlanController:
     def effective(self) -> PrecisionPlan | None:
         if self.base is None:
             return None
-        return compose(self.base, list(self.overlays.values()))
+        self._composing = True
+        try:
+            return compose(self.base, list(self.overlays.values()))
+        finally:
+            self._composing = False
 
     def changes(self) -> list[str] | None:
         """Sites whose formats the next commit changes ([] if only the plan's metadata does),
@@ -145,8 +199,9 @@ class PlanController:
                       if plan.formats(sid) != self.applied.formats(sid))
 
     def state_dict(self) -> dict:
+        base = self.base.sites if self.base else {}
         return {"base": self.base.to_dict() if self.base else None,
-                "overlays": [o.to_dict() for o in self.overlays.values()]}
+                "overlays": [o.resolved(base).to_dict() for o in self.overlays.values()]}
 
     def load_state_dict(self, state: dict) -> None:
         if "plan" in state:  # checkpoints written before the controller: one plan, no overlays
@@ -156,3 +211,13 @@ class PlanController:
         for data in state["overlays"]:
             overlay = Overlay.from_dict(data)
             self.overlays[(overlay.owner, overlay.name)] = overlay
+
+
+def verify_same_plan(plan: PrecisionPlan, group=None) -> None:
+    """All-gather the plan hash over ``group`` (default: every rank); ``RuntimeError`` on
+    every rank if any rank holds another plan."""
+    hashes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, plan.hash, group=group)
+    if len(set(hashes)) > 1:
+        by_rank = ", ".join(f"rank {r}: {h[:12]}" for r, h in enumerate(hashes))
+        raise RuntimeError(f"ranks hold different precision plans ({by_rank})")

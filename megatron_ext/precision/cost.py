@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from megatron_ext.formats import get_format
 from megatron_ext.sites import GEMM_ROLES, SITES, site_id
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 
 CLASSES = ("fp4", "fp8", "bf16")
 """Precision classes of a GEMM, fastest first."""

@@ -1,11 +1,12 @@
 """The precision platform's part of ``--dry-run``: per-stage FLOPs, FP4 share and time.
 
 **The plan the numbers assume** is the one the run would start with: the controller's base
-plan (``--precision NAME[:ARG]`` through the policy registry, or ``--precision-plan``) under
+plan (``--precision NAME[:ARG]`` through the run's policies, or ``--precision-plan``) under
 its overlays (``--keep-first-last-layers-bf16``, any a method laid while validating), as
 ``validate`` left them. A policy whose plan only training can decide (SNIP and its statistics
-baselines refresh from measured statistics) registers a ``Policy.dry_run(args, shape)`` hook,
-and its plan stands in for the base. Without a precision flag every GEMM is BF16.
+baselines refresh from measured statistics) brings a ``Policy.dry_run(args, shape)`` hook,
+which the platform hands the controller as its ``stand_in``, and its plan stands in for the
+base. Without a precision flag every GEMM is BF16.
 
 **The numbers** are the cost model's (:mod:`.cost`), per stage of the layout megatron-core
 built: the linear sites' FLOPs of one step and their FP4 share (``T`` = global batch x
@@ -23,8 +24,7 @@ from megatron_ext.extension import DryRunPart, StageTimes
 from megatron_ext.precision.controller import PlanController, compose
 from megatron_ext.precision.cost import ModelShape, flop_report, stage_seconds
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.policies import lookup
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import SITES
 
 NO_PLAN = "none: BF16 GEMMs"
@@ -44,10 +44,8 @@ def assumed_plan(args, controller: PlanController, shape: ModelShape) -> Precisi
     if controller.base is None:
         return None
     base = controller.base
-    if args.precision:
-        policy, _ = lookup(args.precision)
-        if policy.dry_run is not None:
-            base = policy.dry_run(args, shape)
+    if controller.stand_in is not None:
+        base = controller.stand_in(args, shape)
     return compose(base, list(controller.overlays.values()))
 
 

@@ -3,13 +3,14 @@
 ``default_extensions()`` puts it last, after every method. Without a precision flag it does
 nothing (megatron's own linears, bit for bit). With one:
 
-1. ``validate`` makes the base plan from ``--precision NAME[:ARG]`` (any registered policy,
-   :mod:`.policies`) or ``--precision-plan``, checks it against the model (a bad file, bad JSON,
+1. ``validate`` makes the base plan from ``--precision NAME[:ARG]`` (``uniform`` or a policy
+   one of the run's extensions brings, :mod:`.policies`) or ``--precision-plan``, checks it against the model (a bad file, bad JSON,
    unknown site or format is a one-line ``UsageError``) and lays ``--keep-first-last-layers-bf16``
    as the overlay ``precision/keep<N>bf16``;
 2. ``linear_classes`` makes every site the one quantized megatron linear;
 3. ``after_setup`` commits the plan and registers the controller with the checkpointer;
-4. ``before_step`` commits whatever methods changed since the last step: the effective plan is
+4. ``commit_step`` (after every extension's ``before_step``) commits whatever methods changed
+   since the last step: the effective plan (derived overlays evaluated against the base) is
    applied on every rank, its hash all-gathered (every rank must hold the same plan) and the
    plan written to ``<run dir>/precision_plan.json``; rank 0 prints the FLOP split of the first
    plan, then of later ones at most once per :data:`PLAN_LINE_EVERY` steps, with the number of
@@ -31,13 +32,13 @@ import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
-from megatron_ext.precision import dry_run, policies
-from megatron_ext.precision.controller import PlanController
+from megatron_ext.precision import dry_run
+from megatron_ext.precision import policies as policies_
+from megatron_ext.precision.controller import PlanController, verify_same_plan
 from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
-from megatron_ext.precision.layers import quantized_linear_classes
+from megatron_ext.precision.layers import apply_plan, quantized_linear_classes
 from megatron_ext.precision.real_gemm import EXECUTION_CHOICES, describe
-from megatron_ext.precision.plan import PrecisionPlan, apply_plan, load_plan, save_plan, \
-    verify_same_plan
+from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
 
 PLAN_FILE = "precision_plan.json"
 """The plan in force, in the run directory (written by rank 0 whenever it changes)."""
@@ -47,11 +48,11 @@ OWNER = "precision"
 """Owner name of the platform's own overlays."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, policies: policies_.PolicySet) -> None:
     g = parser.add_argument_group("precision (per-layer GEMM formats)")
     g.add_argument("--precision", default=None, metavar="POLICY[:ARG]",
-                   help="make the base plan with a policy: "
-                        + ", ".join(policies.policy_choices()) + " (<format>: any "
+                   help="make the base plan with a policy of this run: "
+                        + ", ".join(policies.choices()) + " (<format>: any "
                         "megatron_ext.formats name, the same for x, w and dy: mxfp4, nvfp4, "
                         "mxfp8, fp8_e4m3@row, ...)")
     g.add_argument("--precision-plan", default=None, metavar="PLAN.json",
@@ -74,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on --load, keep the flags' plan instead of the checkpoint's")
 
 
-def flags_plan(args) -> PrecisionPlan | None:
-    """The base plan the flags ask for (None without precision flags); ``UsageError`` if bad."""
+def flags_plan(args, policies: policies_.PolicySet):
+    """(base plan, its policy or None) the flags ask for ((None, None) without precision
+    flags); ``UsageError`` if bad."""
     if args.precision and args.precision_plan:
         raise UsageError("--precision and --precision-plan exclude each other")
     keep = args.keep_first_last_layers_bf16
@@ -89,23 +91,26 @@ def flags_plan(args) -> PrecisionPlan | None:
         if keep:
             raise UsageError("--keep-first-last-layers-bf16 needs --precision or "
                              "--precision-plan")
-        return None
+        return None, None
     flag = "--precision" if args.precision else "--precision-plan"
     try:
+        policy = policies.lookup(args.precision)[0] if args.precision else None
         plan = (policies.make_plan(args.precision, args) if args.precision
                 else load_plan(args.precision_plan))
         plan.check_model(args.num_layers)
     except ValueError as exc:
         raise UsageError(f"{flag}: {exc}") from None
-    return plan
+    return plan, policy
 
 
 class PrecisionRun:
     """The platform's per-run state: the controller and the plan in force on this rank."""
 
-    def __init__(self, controller: PlanController | None = None):
+    def __init__(self, controller: PlanController | None = None, policies=()):
         self.controller = controller or PlanController()
         """Base plan + overlays; methods change it, :meth:`commit` applies it."""
+        self.policies = policies_.PolicySet(policies)
+        """The policies ``--precision`` may name: ``uniform`` and the run's extensions'."""
         self.report: FlopReport | None = None
         """The FLOP split of the plan in force."""
         self.changed: list[str] | None = None
@@ -118,11 +123,14 @@ class PrecisionRun:
         """Plan changes since that line."""
 
     def validate(self, args) -> None:
-        plan = flags_plan(args)
+        plan, policy = flags_plan(args, self.policies)
         if plan is not None:
             self.controller.set_base(plan)
-            keep = policies.keep_overlay(args.keep_first_last_layers_bf16, args.num_layers)
+            self.controller.stand_in = policy.dry_run if policy is not None else None
+            keep = policies_.keep_overlay(args.keep_first_last_layers_bf16, args.num_layers)
             self.controller.set_overlay(keep.owner, keep.name, keep.sites, keep.rule)
+        self.controller.flags_read = True
+        self.controller.check_plan_needed()
 
     def linear_classes(self, args):
         if self.controller.base is None and not self.controller.linears_for:
@@ -139,7 +147,7 @@ class PrecisionRun:
         self.commit(state.iteration)
         run.checkpointer.register("precision_plan", self)
 
-    def before_step(self, args, run, state) -> None:
+    def commit_step(self, args, run, state) -> None:
         if self.model is not None:
             self.commit(state.iteration)
 
@@ -215,10 +223,12 @@ def _summary(plan: PrecisionPlan, report: FlopReport) -> str:
 
 
 def precision_extension(run: PrecisionRun | None = None) -> Extension:
-    """The platform Extension of one run (a fresh :class:`PrecisionRun` by default)."""
+    """The platform Extension of one run (a fresh :class:`PrecisionRun` by default: only the
+    ``uniform`` policy)."""
     run = run or PrecisionRun()
-    return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
+    return Extension(name=OWNER, add_arguments=lambda parser: add_arguments(parser, run.policies),
+                     validate=run.validate,
                      linear_classes=run.linear_classes, after_setup=run.after_setup,
-                     before_step=run.before_step, on_step=run.on_step,
+                     commit_step=run.commit_step, on_step=run.on_step,
                      dry_run_estimate=lambda args, context:
                      dry_run.estimate(run.controller, args, context))

@@ -74,7 +74,7 @@ from megatron_ext.formats import Format, fake_quant
 from megatron_ext.formats.amax import finite_amax
 from megatron_ext.formats.fp8 import Fp8Operand, to_fp8
 from megatron_ext.precision.real_gemm import axis_free, runs_real, scaled_mm, transposed
-from megatron_ext.precision.sites import GemmOperands
+from megatron_ext.precision.site_formats import GemmOperands
 
 
 def quantize(t: torch.Tensor, fmt: Format | None, axis: int, group=None) -> torch.Tensor:
@@ -154,7 +154,7 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x, w, x8, x8_scale = ctx.saved_tensors
-        ops, group = ctx.ops, ctx.group
+        ops = ctx.ops
         grad_input = grad_weight = grad_bias = qdy = None
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
         if ctx.needs_input_grad[0]:

@@ -15,7 +15,7 @@ same collectives in the same places:
   backward: more memory here, same math).
 
 A site's formats are the mutable attribute ``formats`` (a
-:class:`~megatron_ext.precision.sites.SiteFormats`, passthrough at build), read on every call:
+:class:`~megatron_ext.precision.site_formats.SiteFormats`, passthrough at build), read on every call:
 switching formats between steps rebuilds nothing. With every operand passthrough the call goes
 to megatron's own ``_forward_impl``, so such a site *is* megatron's linear — unless an operand
 transform returned a :class:`~.gemm.RecomputableWeight`: then the quantized GEMM with
@@ -38,8 +38,9 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron_ext.precision import te
 from megatron_ext.precision.gemm import RecomputableWeight, quantized_gemm
 from megatron_ext.precision.real_gemm import wants_real
-from megatron_ext.sites import site_id
-from megatron_ext.precision.sites import SiteFormats, resolve
+from megatron_ext.sites import SITES, parse_site_id, site_id
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.site_formats import SiteFormats, resolve
 
 
 class QuantizedLinear:
@@ -147,3 +148,18 @@ def add_transform(model, sites, transform) -> None:
     linears = quantized_linears(model)
     for sid in sites:
         linears[sid].transforms = (*linears[sid].transforms, transform)
+
+
+def apply_plan(model, plan: PrecisionPlan, num_layers: int) -> int:
+    """Set every quantized linear of ``model`` (this rank's chunks) to its formats in
+    ``plan``; returns how many were set. Every local layer must have all four sites."""
+    plan.check_model(num_layers)
+    linears = quantized_linears(model)
+    layers = {parse_site_id(sid)[0] for sid in linears}
+    missing = [site_id(layer, s) for layer in sorted(layers) for s in SITES
+               if site_id(layer, s) not in linears]
+    if missing:
+        raise RuntimeError(f"model has no quantized linear for site(s) {missing}")
+    for sid, module in linears.items():
+        module.formats = plan.formats(sid)
+    return len(linears)

@@ -18,7 +18,9 @@ JSON form (``version`` 1; sites in layer order, then qkv, proj, fc1, fc2)::
 
 A site missing from ``sites`` runs unquantized (all ``"none"``). The **hash** is the sha256
 of the canonical JSON (sorted keys, no spaces), so it names the plan's content: every rank
-applies the plan and then compares hashes (:func:`verify_same_plan`).
+applies the plan and then compares hashes (``controller.verify_same_plan``). A value type:
+this module imports neither torch.nn nor megatron-core (applying a plan to a model is
+``layers.apply_plan``).
 """
 
 from __future__ import annotations
@@ -28,12 +30,9 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
-import torch.distributed as dist
-
 from megatron_ext.io import read_json, write_text_atomic
-from megatron_ext.precision.layers import quantized_linears
-from megatron_ext.sites import SITES, parse_site_id, site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.sites import SITES, parse_site_id
+from megatron_ext.precision.site_formats import SiteFormats
 
 VERSION = 1
 _META_KEYS = ("method", "step", "budget", "objective", "stage_fp4_frac")
@@ -135,28 +134,3 @@ def save_plan(plan: PrecisionPlan, path: str) -> None:
     """Write ``plan`` as JSON to ``path`` atomically (a reader never sees half a file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_text_atomic(path, plan.to_json() + "\n")
-
-
-def apply_plan(model, plan: PrecisionPlan, num_layers: int) -> int:
-    """Set every quantized linear of ``model`` (this rank's chunks) to its formats in
-    ``plan``; returns how many were set. Every local layer must have all four sites."""
-    plan.check_model(num_layers)
-    linears = quantized_linears(model)
-    layers = {parse_site_id(sid)[0] for sid in linears}
-    missing = [site_id(layer, s) for layer in sorted(layers) for s in SITES
-               if site_id(layer, s) not in linears]
-    if missing:
-        raise RuntimeError(f"model has no quantized linear for site(s) {missing}")
-    for sid, module in linears.items():
-        module.formats = plan.formats(sid)
-    return len(linears)
-
-
-def verify_same_plan(plan: PrecisionPlan, group=None) -> None:
-    """All-gather the plan hash over ``group`` (default: every rank); ``RuntimeError`` on
-    every rank if any rank holds another plan."""
-    hashes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hashes, plan.hash, group=group)
-    if len(set(hashes)) > 1:
-        by_rank = ", ".join(f"rank {r}: {h[:12]}" for r, h in enumerate(hashes))
-        raise RuntimeError(f"ranks hold different precision plans ({by_rank})")

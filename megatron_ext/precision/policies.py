@@ -1,14 +1,15 @@
-"""The one policy registry: ``--precision NAME[:ARG]`` -> a :class:`Policy` -> a PrecisionPlan.
+"""Policies: ``--precision NAME[:ARG]`` -> a :class:`Policy` -> a PrecisionPlan.
 
-A policy is registered once, at import, by the package that owns it (``uniform`` here, SNIP's
-seven in ``megatron_ext.methods.snip``; a new method registers its own the same way)::
-
-    register_policy(Policy("toy", make_toy_plan, help="..."))
+A policy is brought into a run by the extension that owns it, as a field of its Extension
+(``Extension(..., policies=(Policy("toy", make_toy_plan, help="...", owner="toy"),))``); the
+precision platform offers the policies of the run's extensions and its own ``uniform``, no
+others (:class:`PolicySet`): a policy whose owner is not in the run cannot be chosen, and
+``--precision`` names it as unknown with the list of those that are.
 
 ``make(args, arg)`` builds the **base plan** the run starts from (``arg`` is the text after the
-colon, or None); it may read the owning method's flags, which that method's extension has
-validated. A policy that decides during training (SNIP refreshes) starts from a safe plan and
-later replaces the base through the plan controller (:mod:`.controller`).
+colon, or None); its owner's settings come from the owner's frozen config (a closure over the
+owner's per-run state). A policy that decides during training (SNIP refreshes) starts from a
+safe plan and later replaces the base through the plan controller (:mod:`.controller`).
 
 ``uniform:<recipe>`` gives every site the same formats:
 
@@ -34,7 +35,7 @@ from typing import Callable
 
 from megatron_ext.precision.controller import Overlay
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats, normalize_format
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats, normalize_format
 from megatron_ext.sites import SITES, all_site_ids, site_id
 
 UNIFORM = {
@@ -62,7 +63,7 @@ class Policy:
     args: tuple[str, ...] = ()
     """The ``ARG`` values accepted after the colon; empty: the policy takes none."""
     owner: str = "precision"
-    """The method that registered it (its extension validates its flags)."""
+    """The extension that brings it (its extension validates its flags)."""
     open_arg: str = ""
     """Besides ``args``: a placeholder (``<format>``) for any ``ARG`` that :attr:`accepts`;
     empty: only ``args``."""
@@ -83,37 +84,36 @@ class Policy:
         return arg in self.args or bool(self.accepts and arg and self.accepts(arg))
 
 
-POLICIES: dict[str, Policy] = {}
-"""Registered policies by name."""
+class PolicySet:
+    """The policies one run offers, by name (the platform's ``uniform`` and its extensions')."""
 
+    def __init__(self, policies=()):
+        self.by_name: dict[str, Policy] = {}
+        """Name -> policy."""
+        for policy in (UNIFORM_POLICY, *policies):
+            known = self.by_name.get(policy.name)
+            if known is not None and known is not policy:
+                raise ValueError(f"policy {policy.name!r} is brought by {known.owner} and "
+                                 f"{policy.owner}")
+            self.by_name[policy.name] = policy
 
-def register_policy(policy: Policy) -> Policy:
-    """Add ``policy``; ``ValueError`` if another owner registered the name already."""
-    known = POLICIES.get(policy.name)
-    if known is not None and known.owner != policy.owner:
-        raise ValueError(f"policy {policy.name!r} is registered by {known.owner} already")
-    POLICIES[policy.name] = policy
-    return policy
+    def choices(self) -> list[str]:
+        """Every accepted ``--precision`` spelling."""
+        return [s for name in sorted(self.by_name) for s in self.by_name[name].spellings()]
 
+    def lookup(self, spec: str) -> tuple[Policy, str | None]:
+        """The policy ``--precision spec`` names and its argument; ``ValueError`` if unknown."""
+        name, colon, arg = spec.partition(":")
+        policy = self.by_name.get(name)
+        if policy is None or (not policy.takes(arg) if policy.args or policy.open_arg else colon):
+            raise ValueError(f"unknown precision {spec!r} in this run; choose one of "
+                             f"{', '.join(self.choices())}")
+        return policy, (arg if colon else None)
 
-def policy_choices() -> list[str]:
-    """Every accepted ``--precision`` spelling."""
-    return [s for name in sorted(POLICIES) for s in POLICIES[name].spellings()]
-
-
-def lookup(spec: str) -> tuple[Policy, str | None]:
-    """The policy ``--precision spec`` names and its argument; ``ValueError`` if unknown."""
-    name, colon, arg = spec.partition(":")
-    policy = POLICIES.get(name)
-    if policy is None or (not policy.takes(arg) if policy.args or policy.open_arg else colon):
-        raise ValueError(f"unknown precision {spec!r}; choose one of {', '.join(policy_choices())}")
-    return policy, (arg if colon else None)
-
-
-def make_plan(spec: str, args: argparse.Namespace) -> PrecisionPlan:
-    """The base plan of ``--precision spec``."""
-    policy, arg = lookup(spec)
-    return policy.make(args, arg)
+    def make_plan(self, spec: str, args: argparse.Namespace) -> PrecisionPlan:
+        """The base plan of ``--precision spec``."""
+        policy, arg = self.lookup(spec)
+        return policy.make(args, arg)
 
 
 def uniform_formats(recipe: str) -> SiteFormats:
@@ -144,6 +144,7 @@ def keep_overlay(count: int, num_layers: int) -> Overlay:
                    {site_id(layer, s): HIGH_PRECISION for layer in kept for s in SITES})
 
 
-register_policy(Policy("uniform", lambda args, arg: uniform_plan(arg, args.num_layers),
-                       help="every site alike", args=tuple(UNIFORM), open_arg="<format>",
-                       accepts=_is_format))
+UNIFORM_POLICY = Policy("uniform", lambda args, arg: uniform_plan(arg, args.num_layers),
+                        help="every site alike", args=tuple(UNIFORM), open_arg="<format>",
+                        accepts=_is_format)
+"""The platform's own policy, offered in every run."""

@@ -44,7 +44,7 @@ from megatron.core.enums import Fp4Recipe, Fp8Recipe
 from megatron_ext.formats import get_format
 from megatron_ext.io import write_text_atomic
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import ROLES, SITES, parse_site_id, site_id
 
 MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_ext.precision import recipe_export  # the one table of TE recipes
 
 
 class TERecipe(NamedTuple):
@@ -55,8 +56,6 @@ class TERecipe(NamedTuple):
 def recipe_for(formats, capability: tuple[int, int]) -> TERecipe | None:
     """The TE recipe that runs ``formats`` (a ``SiteFormats``) natively on a GPU of compute
     ``capability`` (e.g. ``(9, 0)`` for H100), or ``None``: emulate it."""
-    from megatron_ext.precision import recipe_export  # the one table; plan -> layers -> here
-
     recipe = recipe_export.recipe_for(formats)
     if recipe is None or recipe.te_class == "" or not recipe.runs_on(capability):
         return None

@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import re
+import sys
 import time
 from typing import Callable, Iterable
 
@@ -108,8 +109,16 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                         "with one line naming the peer")
 
 
-def _training_flags(p: argparse.ArgumentParser) -> None:
+def _optimizer_flag(g, optimizers: Iterable[tuple[str, str]]) -> None:
+    """``--optimizer``: megatron-core's ``adam``, or one an extension of the run brings."""
+    choices = {"adam": "megatron-core's AdamW (float32 moments)", **dict(optimizers)}
+    g.add_argument("--optimizer", choices=list(choices), default="adam",
+                   help="; ".join(f"{name}: {what}" for name, what in choices.items()))
+
+
+def _training_flags(p: argparse.ArgumentParser, optimizers=()) -> None:
     g = p.add_argument_group("training")
+    _optimizer_flag(g, optimizers)
     g.add_argument("--train-iters", type=int, default=400,
                    help="train until this many optimizer steps in total (a resumed run "
                         "continues its count)")
@@ -209,25 +218,58 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(family: str, extra_args_provider: ArgsProvider | None = None):
+def build_parser(family: str, extra_args_provider: ArgsProvider | None = None,
+                 optimizers: Iterable[tuple[str, str]] = ()):
+    """Training's flags, then the provider's; ``optimizers``: the ``(name, help)`` of each
+    ``--optimizer`` choice the run's extensions bring (``Extension.optimizers``)."""
     parser = OneLineParser(
         prog=f"pretrain_{family}.py",
         description=f"Pretrain a {family} model with megatron-core (CPU/gloo or GPU/NCCL).",
-        formatter_class=HelpFormatter,
+        formatter_class=HelpFormatter, allow_abbrev=False,  # as Megatron-LM: flags in full
     )
-    for add in (_model_flags, _parallel_flags, _training_flags, _data_flags,
-                _logging_and_checkpoint_flags):
-        add(parser)
+    _model_flags(parser)
+    _parallel_flags(parser)
+    _training_flags(parser, optimizers)
+    _data_flags(parser)
+    _logging_and_checkpoint_flags(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
 
 
+MULTI_VALUE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
+               argparse._HelpAction)
+"""Actions that may be given more than once; every other flag takes one value."""
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Iterable[str] | None) -> set[str]:
+    """The option strings ``argv`` gives (``--flag value`` and ``--flag=value``);
+    ``UsageError`` for a single-value flag given twice (``--precision snip --precision pgq``
+    would silently take the last)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    seen: dict[int, list[str]] = {}
+    for token in argv:
+        if token == "--":
+            break
+        action = parser._option_string_actions.get(token.split("=", 1)[0])
+        if action is not None:
+            seen.setdefault(id(action), []).append(token.split("=", 1)[0])
+            flags = seen[id(action)]
+            if len(flags) > 1 and not isinstance(action, MULTI_VALUE):
+                raise UsageError(f"{' and '.join(dict.fromkeys(flags))} given {len(flags)} "
+                                 "times: the flag takes one value, give it once")
+    return {flag for flags in seen.values() for flag in flags}
+
+
 def parse_args(family: str, argv: Iterable[str] | None = None,
                extra_args_provider: ArgsProvider | None = None,
-               world_size: int | None = None) -> argparse.Namespace:
-    """Parse and validate; raises UsageError (one line) on bad input."""
-    args = build_parser(family, extra_args_provider).parse_args(argv)
+               world_size: int | None = None,
+               optimizers: Iterable[tuple[str, str]] = ()) -> argparse.Namespace:
+    """Parse and validate; raises UsageError (one line) on bad input, a single-value flag
+    given twice included."""
+    parser = build_parser(family, extra_args_provider, optimizers)
+    given_flags(parser, argv)
+    args = parser.parse_args(argv)
     args.family = family
     try:
         arch = get_preset(family, args.model)

@@ -157,8 +157,9 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
     memory = PeakMemory()  # peak since the last logged step, hooks included
     try:
         while state.iteration < args.train_iters:
-            for hook in ext.hooks(extensions, "before_step"):  # observed passes, plan switches
-                hook(args, run, state)
+            for phase in ("before_step", "commit_step"):  # propose, then commit (extension.py)
+                for hook in ext.hooks(extensions, phase):
+                    hook(args, run, state)
             lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
             start = time.time()
             run.step_result = train_step(args, model, optimizer, scheduler, iterator)

@@ -10,7 +10,6 @@ without touching megatron-core.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from typing import Callable
 
 import torch
@@ -37,7 +36,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_ext.errors import UsageError
-from megatron_ext.training.attention_backend import LOCAL_BACKENDS, resolve_attention_backend
+from megatron_ext.training.attention_backend import resolve_attention_backend
 from megatron_ext.training.sdpa import SDPAttention
 
 LinearClasses = Callable[[int, str], type]
@@ -172,28 +171,6 @@ def layer_spec(layer: int, linear_classes: LinearClasses,
             },
         ),
     )
-
-
-def transformer_engine_available() -> bool:
-    """TE importable and a GPU to run it on."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def resolve_transformer_impl(requested: str, custom_linears: bool,
-                             attention_backend: str = "auto") -> str:
-    """``auto`` -> Transformer Engine when it can run, no extension swaps the linears and no
-    local attention backend (``sdpa`` / ``local``) is asked for."""
-    if requested == "auto":
-        local = custom_linears or attention_backend in LOCAL_BACKENDS
-        return "transformer_engine" if transformer_engine_available() and not local else "local"
-    if requested == "transformer_engine":
-        if not transformer_engine_available():
-            raise UsageError("--transformer-impl transformer_engine needs transformer_engine "
-                             "installed and a CUDA GPU")
-        if custom_linears:
-            raise UsageError("--transformer-impl transformer_engine uses TE's fused layers; "
-                             "per-layer precision needs --transformer-impl local")
-    return requested
 
 
 def block_spec(config: TransformerConfig, vp_stage: int | None, linear_classes: LinearClasses,

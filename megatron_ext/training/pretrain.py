@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from megatron_ext.training import dry_run
 from megatron_ext import extension as ext
-from megatron_ext.training.arguments import parse_args
+from megatron_ext.training.arguments import build_parser, given_flags, parse_args
 from megatron_ext.training.distributed import resolve_launch
+from megatron_ext.training.layer_impl import resolve_transformer_impl, \
+    transformer_engine_available
 from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
 from megatron_ext.training.peers import peer_loss_reported
@@ -68,9 +70,9 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     args.padded_vocab_size = model.padded_vocab_size(model.vocab_size(tokenizer, args), args)
     config = model.transformer_config(args)
     linears = ext.the_one(extensions, "linear_classes", args)
-    args.transformer_impl = model.resolve_transformer_impl(args.transformer_impl,
-                                                           linears is not None,
-                                                           args.attention_backend)
+    args.transformer_impl = resolve_transformer_impl(args.transformer_impl, linears is not None,
+                                                     transformer_engine_available(),
+                                                     args.attention_backend)
     args.attention_backend = resolve_attention_backend(args.attention_backend,
                                                        args.transformer_impl)  # for args.json
     linears = linears or model.default_linear_classes
@@ -113,8 +115,11 @@ def parse_and_validate(family: str, argv, extensions: list[ext.Extension]):
     """``(args, simulated launch or None)``: the flags parsed as pretrain parses them (with
     ``--dry-run``'s), checked by every extension's ``validate``; ``UsageError`` if bad."""
     provider = dry_run.args_provider(ext.args_provider(extensions))
-    simulated = dry_run.request(family, argv, provider)
-    args = parse_args(family, argv, provider, simulated and simulated.world_size)
+    optimizers = ext.declared(extensions, "optimizers")
+    simulated = dry_run.request(family, argv, provider, optimizers)
+    args = parse_args(family, argv, provider, simulated and simulated.world_size, optimizers)
+    given = given_flags(build_parser(family, provider, optimizers), argv)
+    ext.refuse_inactive_flags(extensions, args, given)  # --snip-budget without SNIP: one line
     for validate in ext.hooks(extensions, "validate"):
         validate(args)
     return args, simulated

@@ -13,8 +13,12 @@
     plot_precision.py pgq PROFILE.json --out sqnr.png [--formats int8,fp8]
     plot_precision.py gaussws RUN_DIR --out bits.png
 
-Bad input: one ``error:`` line on stderr, exit status 2, no output file. Parsing only: the
-readers are :mod:`megatron_ext.viz.inputs`, the figures :mod:`megatron_ext.viz.plots`.
+``plan``, ``stages`` and ``loss`` are the platform's; every other subcommand is brought by an
+extension of the run (``Extension.plots``: SNIP's ``evolution`` and ``divergence``, GNMR's,
+PGQ's, STQuant's, GaussWS's, each in ``methods/<name>/plots.py``), assembled here as the
+training flags are. Bad input: one ``error:`` line on stderr, exit status 2, no output file.
+Parsing only: the readers are :mod:`megatron_ext.viz.inputs`, the figures
+:mod:`megatron_ext.viz.plots`.
 """
 
 from __future__ import annotations
@@ -72,29 +76,6 @@ def _add_stages(sub) -> None:
     _common(p)
 
 
-def _add_evolution(sub) -> None:
-    p = _subparser(sub, "evolution", "a plan over refreshes (SNIP Fig. 11)")
-    p.add_argument("sources", nargs="+", metavar="RUN_DIR_OR_PLAN",
-                   help="run directories (their snip/step_*/plan.json) and/or plan files")
-    p.add_argument("--color-by", choices=("fp4-roles", "format"), default="fp4-roles",
-                   help="fp4-roles: one row per site, colour = how many of x, w, dy are FP4; "
-                        "format: one row per site and role, colour = format family "
-                        "(default fp4-roles)")
-    _common(p)
-
-
-def _add_divergence(sub) -> None:
-    p = _subparser(sub, "divergence", "divergence heatmap of one option (SNIP Fig. 10)")
-    p.add_argument("divergence", metavar="DIVERGENCE.json",
-                   help="a refresh's divergence.json (RUN/snip/step_*/divergence.json)")
-    p.add_argument("--option", metavar="NAME",
-                   help="option to show (default: the one with the most FP4 roles)")
-    p.add_argument("--metric", choices=("dL", "dW", "q"), default="dL",
-                   help="dL: forward loss divergence, dW: weight divergence, q: quality loss "
-                        "(default dL)")
-    _common(p)
-
-
 def _add_loss(sub) -> None:
     p = _subparser(sub, "loss", "training / validation loss of several runs (SNIP Fig. 8)")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
@@ -111,51 +92,22 @@ def _add_loss(sub) -> None:
     _common(p)
 
 
-def _add_gnmr(sub) -> None:
-    p = _subparser(sub, "gnmr", "GNMR and Δ-GNMR per unit over training with their "
-                                "thresholds, and the promotion raster (GNMR paper Fig. 2-3)")
-    p.add_argument("trace", metavar="RUN_DIR_OR_TRACE",
-                   help="a --gnmr run directory (its gnmr/trace.jsonl) or a trace file")
-    _common(p)
-
-
-def _add_pgq(sub) -> None:
-    p = _subparser(sub, "pgq", "SQNR of every GEMM operand of a PGQ profile: layer x operand, "
-                               "one panel per format (PGQ Fig. 3)")
-    p.add_argument("profile", metavar="PROFILE.json",
-                   help="a PGQ profile (<run>/pgq/profile.json of --precision pgq)")
-    p.add_argument("--formats", metavar="C1,C2,...",
-                   help="candidate formats to show, one panel each (default: all profiled)")
-    _common(p)
-
-
-def _add_stquant(sub) -> None:
-    p = _subparser(sub, "stquant", "STQuant's optimizer-state width per layer over training "
-                                   "(STQuant paper Fig. 6a)")
-    p.add_argument("widths", metavar="RUN_DIR_OR_FILE",
-                   help="an --optimizer stquant-adamw run directory (its stquant_widths.jsonl) "
-                        "or that file")
-    _common(p)
-
-
-def _add_gaussws(sub) -> None:
-    p = _subparser(sub, "gaussws", "GaussWS's learned bit widths b_t per sampled site over "
-                                   "training: mean and min-max band (GaussWS paper Fig. 6)")
-    p.add_argument("run", metavar="RUN_DIR",
-                   help="a --gaussws run directory (its metrics.jsonl) or that file")
-    _common(p)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plots=()) -> argparse.ArgumentParser:
+    """The tool's parser: the platform's ``plan``, ``stages``, ``loss``, then ``plots`` (the
+    ``Extension.plots`` of the run's extensions)."""
     parser = OneLineParser(prog="plot_precision.py",
-                     description="Plots of precision plans, their refreshes, SNIP divergences, "
-                                 "loss curves, GNMR traces, STQuant and GaussWS widths (PNG, "
-                                 "no display needed).",
+                     description="Plots of precision plans, loss curves and what the methods "
+                                 "bring: SNIP refreshes and divergences, GNMR traces, PGQ "
+                                 "profiles, STQuant and GaussWS widths (PNG, no display "
+                                 "needed).",
                      epilog="Examples and input formats: docs/plots.md")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_plan, _add_stages, _add_evolution, _add_divergence, _add_loss, _add_gnmr,
-                _add_pgq, _add_stquant, _add_gaussws):
+    for add in (_add_plan, _add_stages, _add_loss):
         add(sub)
+    for plot in plots:
+        p = _subparser(sub, plot.name, plot.help)
+        plot.add_arguments(p)
+        _common(p)
     return parser
 
 
@@ -195,23 +147,6 @@ def _plot_stages(args):
     return plots.stage_bars(report, title)
 
 
-def _plot_evolution(args):
-    from megatron_ext.viz import inputs, plots
-
-    return plots.plan_evolution(inputs.load_plan_series(args.sources), args.color_by)
-
-
-def _plot_divergence(args):
-    from megatron_ext.viz import inputs, plots
-
-    div = inputs.load_divergence(args.divergence)
-    option = args.option or inputs.default_option(div.options)
-    if option not in div.options:
-        raise ValueError(f"--option {option!r} is not in '{args.divergence}' "
-                         f"({len(div.options)} options, e.g. {div.options[0]!r})")
-    return plots.divergence_heatmap(div, option, args.metric)
-
-
 def _plot_loss(args):
     from megatron_ext.viz import inputs, plots
 
@@ -226,47 +161,15 @@ def _plot_loss(args):
     return plots.loss_curves(curves, args.smooth, args.from_step)
 
 
-def _plot_gnmr(args):
-    from megatron_ext.viz import inputs, traces
-
-    return traces.gnmr_traces(inputs.load_gnmr_trace(args.trace))
+COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "loss": _plot_loss}
+"""The platform's own subcommands."""
 
 
-def _plot_pgq(args):
-    from megatron_ext.methods.pgq.profile import load_profile
-    from megatron_ext.viz.pgq import sqnr_heatmap
-
-    profile = load_profile(args.profile)
-    formats = args.formats.split(",") if args.formats else list(profile.candidates)
-    unknown = [f for f in formats if f not in profile.candidates]
-    if unknown:
-        raise ValueError(f"--formats {','.join(unknown)}: not in '{args.profile}' (it has "
-                         f"{', '.join(profile.candidates)})")
-    return sqnr_heatmap(profile, formats)
-
-
-def _plot_stquant(args):
-    from megatron_ext.viz import inputs, widths
-
-    return widths.width_history(inputs.load_widths(args.widths))
-
-
-def _plot_gaussws(args):
-    from megatron_ext.methods.gaussws.history import load_bitwidths
-    from megatron_ext.viz.gaussws import bitwidth_history
-
-    return bitwidth_history(load_bitwidths(args.run))
-
-
-COMMANDS = {"plan": _plot_plan, "stages": _plot_stages, "evolution": _plot_evolution,
-            "divergence": _plot_divergence, "loss": _plot_loss, "gnmr": _plot_gnmr,
-            "pgq": _plot_pgq, "stquant": _plot_stquant, "gaussws": _plot_gaussws}
-
-
-def _run(argv: list[str]) -> None:
-    args = build_parser().parse_args(argv)
+def _run(argv: list[str], plots) -> None:
+    args = build_parser(plots).parse_args(argv)
     check_output(args.out, "--out", kind="file")
-    figure = COMMANDS[args.command](args)
+    draw = {**COMMANDS, **{plot.name: plot.draw for plot in plots}}[args.command]
+    figure = draw(args)
     from megatron_ext.viz.plots import save_png
 
     try:
@@ -276,9 +179,14 @@ def _run(argv: list[str]) -> None:
     print(f"wrote {args.out}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Make one plot; bad input -> one ``error:`` line on stderr and exit status 2."""
-    return run_cli(_run, argv)
+def main(argv: list[str] | None = None, plots=None) -> int:
+    """Make one plot; bad input -> one ``error:`` line on stderr and exit status 2. ``plots``:
+    the extensions' subcommands (default: ``megatron_ext.defaults.default_plots()``)."""
+    if plots is None:
+        from megatron_ext.defaults import default_plots
+
+        plots = default_plots()
+    return run_cli(lambda args: _run(args, plots), argv)
 
 
 if __name__ == "__main__":

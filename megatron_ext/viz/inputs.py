@@ -168,7 +168,7 @@ def _is_fp4(name: str) -> bool:
     """The cost model's FP4 class (at most 4 bits: E2M1, MXFP4, NVFP4, INT4); a name the
     format registry does not know counts when it says ``fp4``."""
     from megatron_ext.precision.cost import operand_class
-    from megatron_ext.precision.sites import normalize_format
+    from megatron_ext.precision.site_formats import normalize_format
 
     try:
         return operand_class(normalize_format(name)) == "fp4"

@@ -14,7 +14,7 @@ import pytest
 
 from pretrain_runner import FAST_ARGS, launch, read_metrics
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import all_site_ids
 
 GNMR = ["--gnmr", "--gnmr-alpha-init", "1.01", "--gnmr-alpha", "1.01", "--gnmr-beta-init",

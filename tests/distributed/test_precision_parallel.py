@@ -14,7 +14,7 @@ from precision_helpers import FAST, launch_precision  # noqa: E402
 
 from megatron_ext.precision.plan import PrecisionPlan  # noqa: E402
 from megatron_ext.sites import SITES
-from megatron_ext.precision.sites import SiteFormats  # noqa: E402
+from megatron_ext.precision.site_formats import SiteFormats  # noqa: E402
 
 WORKER = Path(__file__).resolve().parents[1] / "unit" / "precision" / "tp_worker.py"
 

@@ -66,12 +66,12 @@ def test_example_passes_dry_run(example, tmp_path, monkeypatch, capsys):
 
 
 def _runs_snip(argv: list[str]) -> bool:
-    """Whether ``argv``'s ``--precision`` is one of SNIP's policies (the registry's owner)."""
-    import megatron_ext.defaults  # noqa: F401  (registers every method's policies)
-    from megatron_ext.precision.policies import lookup
+    """Whether ``argv``'s ``--precision`` is one of the policies SNIP brings to a run."""
+    from megatron_ext.defaults import default_extensions
     if "--precision" not in argv:
         return False
-    return lookup(argv[argv.index("--precision") + 1])[0].owner == "snip"
+    snip = next(e for e in default_extensions() if e.name == "snip")
+    return argv[argv.index("--precision") + 1] in {p.name for p in snip.policies}
 
 
 @pytest.mark.parametrize("example", SRUN_EXAMPLES)

@@ -12,13 +12,13 @@ Numerics core, then the training wiring (``docs/gaussws.md``):
   ŵ as a weight the quantized GEMM rebuilds in its backward (:func:`recomputable_sample`)
   and eq. 6's bound;
 * :mod:`.weight` — eq. 9's b_i parameter per weight (:class:`GaussWSWeight`), eq. 10;
-* :mod:`.config` — :class:`GaussWSConfig` and the ``--gaussws*`` flags;
+* :mod:`.flags` — :class:`GaussWSConfig` and the ``--gaussws*`` flags;
 * :mod:`.triton_kernels` — the CUDA path (R generation; R generation + scaled add);
 * :mod:`.attach` — b_i per sampled site, the operand transform returning ŵ, eq. 6 from the
   plan; :mod:`.extension` — ``gaussws_extension``: the hooks (eq. 10, metrics, checkpoint).
 """
 
-from .config import GaussWSConfig, add_arguments, parse_sites
+from .flags import GaussWSConfig, add_arguments, parse_sites
 from .layout import ShardLayout, all_reduce_block_amax, combine_block_amax, local_block_amax
 from .noise import NoiseSeeds
 from .sampling import (

@@ -42,10 +42,10 @@ import torch
 
 from megatron_ext.formats import CastElement, FloatElement, get_format
 from megatron_ext.precision.layers import add_transform, quantized_linears
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import parse_site_id
 
-from .config import GaussWSConfig
+from .flags import GaussWSConfig
 from .layout import ShardLayout
 from .noise import NoiseSeeds
 from .sampling import format_mantissa_bits, underflow_bound

@@ -37,8 +37,9 @@ from megatron_ext.precision.controller import PlanController
 from megatron_ext.sites import site_id
 
 from .attach import SampledSites
-from .config import GaussWSConfig, add_arguments
+from .flags import GaussWSConfig, add_arguments
 from .noise import NoiseSeeds
+from .plots import PLOTS
 from .weight import bitwidth_loss
 
 OWNER = "gaussws"
@@ -168,6 +169,8 @@ def gaussws_extension(plans: PlanController) -> Extension:
     run = GaussWSRun(plans)
     return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
                      describe=lambda args: describe(run.config) if run.config else None,
+                     active=lambda args: bool(args.gaussws), enabled_by="--gaussws SITES",
+                     plots=PLOTS,
                      after_model=run.after_model, wrap_optimizer=run.wrap_optimizer,
                      after_setup=run.after_setup, before_step=run.before_step,
                      on_step=run.on_step)

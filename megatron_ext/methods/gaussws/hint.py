@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import all_site_ids, parse_site_id
 
 ROLE_CHOICES = ("w", "all")

@@ -28,7 +28,7 @@ import torch
 
 from megatron_ext.precision.gemm import RecomputableWeight
 
-from .config import GaussWSConfig
+from .flags import GaussWSConfig
 from .layout import ShardLayout, all_reduce_block_amax, local_block_amax
 from .sampling import bits_grad, block_scale, recomputable_sample
 

@@ -2,8 +2,8 @@
 norm jumps to high precision for a few steps, under a budget.
 
 * :mod:`.algorithm` — Algorithm 1: GNMR and Δ-GNMR, vectorised over units, O(1) state;
-* :mod:`.controller` — Algorithm 2: thresholds, lock, maxO budget, schedule, non-finite steps
-  (:class:`~.controller.GnmrConfig`, :class:`~.controller.GnmrController`);
+* :mod:`.decisions` — Algorithm 2: thresholds, lock, maxO budget, schedule, non-finite steps
+  (:class:`~.decisions.GnmrConfig`, :class:`~.decisions.GnmrController`);
 * :mod:`.rules` — the baselines of ``--gnmr-rule`` (first-last, static-topk, autoswitch);
 * :mod:`.operand_stats` — autoswitch's underflow / MSE of every low-precision GEMM operand;
 * :mod:`.units` — unit ids and the one-all-reduce norm reduction over TP / PP / DP;

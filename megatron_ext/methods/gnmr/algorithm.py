@@ -32,7 +32,7 @@ Ambiguities of the paper, and what this module does
   state has received (:attr:`GnmrState.t` + 1), so eq. 5's ``1/(t-1)`` is exactly the mean of
   the norms seen. A run that switches GNMR on mid-way, or skips a non-finite step (which is
   not observed at all), keeps the mean exact; the training iteration only drives the
-  threshold schedule (:mod:`.controller`).
+  threshold schedule (:mod:`.decisions`).
 * **"No history" is AGNM = 0.** Algorithm 1 tests ``AGNM_{t-1} = 0``, not ``t = 1``. Followed
   literally: while a unit's norms are all zero its GNMR is 1 and ``AGNM_t = n_t``, and the
   first non-zero norm restarts the mean (``AGNM_t = n_t``, where eq. 5 would divide by zero).

@@ -3,13 +3,14 @@
 One step ``t`` of a run with ``--gnmr`` (hooks in the order of ``default_extensions()``:
 faults, SNIP, GNMR, ..., the precision platform last):
 
-1. ``before_step``: the overlay ``gnmr/promotions`` (rule ``raise``) is laid from the plan
-   controller's *current* base and the units the last decision left high
-   (:func:`.promote.promotion_overlay`), whenever either changed; the platform's
-   ``before_step``, later in the same round, commits it on every rank. Laying it here rather
-   than right after the decision makes it follow a SNIP refresh, which replaces the base
-   earlier in the same round: the promoted sites are lifted from the new base (SNIP's FP8
-   site to BF16, not the old FP4 one to FP8), and the promotions survive the refresh.
+1. ``before_step``: the overlay ``gnmr/promotions`` (rule ``raise``) is laid as a *derived*
+   overlay, "the units the last decision left high, lifted" (:func:`.promote.promotion_overlay`
+   of whatever base is in force); the platform's ``commit_step``, after every extension's
+   ``before_step``, evaluates it against the base of that moment and commits it on every
+   rank. So it follows a base set by anyone, in any hook order (a SNIP refresh, an outside
+   method appended after GNMR): the promoted sites are lifted from the new base (SNIP's FP8
+   site to BF16, not the old FP4 one to FP8), at the step the new base takes effect, and the
+   promotions survive the refresh.
 2. the step; the optimizer's ``step()`` is wrapped (``wrap_optimizer``) so that, after the
    backward and its DP reduction and **before** megatron clips the gradients (in place, in
    the DDP buffer), this rank's float64 sums of squares of the gradient elements it owns
@@ -48,15 +49,17 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 
 import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.methods.gnmr import dry_run, flags
-from megatron_ext.methods.gnmr.controller import Decision, GnmrConfig, GnmrController
+from megatron_ext.methods.gnmr.decisions import Decision, GnmrConfig, GnmrController
 from megatron_ext.methods.gnmr.grads import NormReader
 from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector
+from megatron_ext.methods.gnmr.plots import PLOTS
 from megatron_ext.methods.gnmr.promote import promotion_overlay
 from megatron_ext.methods.gnmr.units import unit_ids
 from megatron_ext.precision.controller import PlanController
@@ -80,8 +83,6 @@ class GnmrRun:
         """Algorithm 2 over this run's units (the same on every rank)."""
         self.reader: NormReader | None = None
         """Measures and reduces the unit norms."""
-        self.laid = (None, ())
-        """(base plan, promoted units) the overlay was last laid from."""
         self.measured = None
         """This step's local squares, from the wrapped ``optimizer.step``."""
         self.seconds = 0.0
@@ -96,6 +97,7 @@ class GnmrRun:
     def validate(self, args) -> None:
         self.config = flags.config_from_args(args)
         if self.config is not None:
+            self.plans.require_plan(flags.NEEDS_PLAN)
             units = unit_ids(args.num_layers, self.config.granularity)
             try:
                 self.gnmr = GnmrController.create(self.config, units, args.train_iters)
@@ -143,12 +145,9 @@ class GnmrRun:
         self.seconds = time.perf_counter() - start
 
     def _lay(self) -> None:
-        """(Re)lay the overlay if the base plan or the promoted set changed."""
-        base, promoted = self.plans.base, self.gnmr.promoted
-        if base is not self.laid[0] or promoted != self.laid[1]:
-            self.plans.set_overlay(OWNER, OVERLAY, promotion_overlay(
-                base.sites, promoted, self.config.high), rule="raise")
-            self.laid = (base, promoted)
+        """Lay the overlay: the promoted units, lifted from the base in force at the commit."""
+        self.plans.set_overlay(OWNER, OVERLAY, rule="raise", derive=partial(
+            promotion_overlay, units=self.gnmr.promoted, high=self.config.high))
 
     def on_step(self, args, run, state) -> dict | None:
         if self.config is None or run.step_result["skipped"]:
@@ -224,6 +223,7 @@ def gnmr_extension(plans: PlanController) -> Extension:
     run = GnmrRun(plans)
     return Extension(name=OWNER, add_arguments=flags.add_arguments, validate=run.validate,
                      describe=lambda args: describe(run.config) if run.config else None,
+                     active=flags.active, enabled_by="--gnmr", plots=PLOTS,
                      wrap_optimizer=run.wrap_optimizer, after_setup=run.after_setup,
                      before_step=run.before_step, on_step=run.on_step,
                      on_nonfinite=run.on_nonfinite, on_train_end=run.on_train_end,

@@ -1,9 +1,9 @@
 """GNMR's flags: ``--gnmr`` and one ``--gnmr-*`` flag per :class:`GnmrConfig` field.
 
 The ``--gnmr-*`` flags are absent from the parsed namespace unless given
-(``argparse.SUPPRESS``), so :func:`config_from_args` can refuse one given without
-``--gnmr`` (it would silently do nothing); the defaults themselves are :class:`GnmrConfig`'s,
-quoted in the help. Every bad value is a one-line ``UsageError``.
+(``argparse.SUPPRESS``), so :func:`config_from_args` passes only the given ones to
+:class:`GnmrConfig`, whose defaults the help quotes; one given without ``--gnmr`` is refused
+by the platform (``Extension.active``). Every bad value is a one-line ``UsageError``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 
 from megatron_ext.errors import UsageError, finite_float
-from megatron_ext.methods.gnmr.controller import COMPARES, HIGH_CHOICES, GnmrConfig, \
+from megatron_ext.methods.gnmr.decisions import COMPARES, HIGH_CHOICES, GnmrConfig, \
     parse_max_promoted
 from megatron_ext.methods.gnmr.rules import RULES
 from megatron_ext.methods.gnmr.units import GRANULARITIES
@@ -77,19 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {d.autoswitch_mse}, TE's)")
 
 
+def active(args: argparse.Namespace) -> bool:
+    """``--gnmr`` (a ``--gnmr-*`` flag without it is refused by the platform)."""
+    return args.gnmr
+
+
+NEEDS_PLAN = "--gnmr promotes sites of a precision plan: give --precision or --precision-plan"
+"""The line of a ``--gnmr`` run without a base plan (``PlanController.require_plan``)."""
+
+
 def config_from_args(args: argparse.Namespace) -> GnmrConfig | None:
-    """The run's settings, None without ``--gnmr``; ``UsageError`` (one line) for a bad flag,
-    a ``--gnmr-*`` flag without ``--gnmr``, a rule's flag with another rule, or ``--gnmr``
-    without a precision plan."""
+    """The run's settings, None without ``--gnmr``; ``UsageError`` (one line) for a bad flag
+    or a rule's flag with another rule."""
+    if not active(args):
+        return None
     given = {f.name: getattr(args, "gnmr_" + f.name) for f in dataclasses.fields(GnmrConfig)
              if hasattr(args, "gnmr_" + f.name)}
-    if not args.gnmr:
-        if given:
-            raise UsageError(f"{_flag(next(iter(given)))} needs --gnmr")
-        return None
-    if not (args.precision or args.precision_plan):
-        raise UsageError("--gnmr promotes sites of a precision plan: give --precision or "
-                         "--precision-plan")
     if args.use_torch_fsdp2 or args.use_megatron_fsdp:
         raise UsageError("--gnmr reads megatron DDP's gradient buffers: it does not run with "
                          "--use-torch-fsdp2 / --use-megatron-fsdp")

@@ -46,7 +46,7 @@ from megatron_ext.formats import get_format
 from megatron_ext.methods.gnmr.promote import promoted_formats
 from megatron_ext.methods.gnmr.units import unit_sites
 from megatron_ext.precision.cost import ModelShape
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import parse_site_id
 
 COLUMN_PARALLEL = ("qkv", "fc1")

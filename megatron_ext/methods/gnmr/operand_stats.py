@@ -7,7 +7,7 @@ from its dequantized copy ``q = q(t)``::
     MSE         = Σ (t - q)^2 / numel(t)                          (not normalised)
 
 and switches a GEMM to high precision when either crosses its threshold. Here they are taken
-for the six operands of every site's three GEMMs (:class:`~megatron_ext.precision.sites.
+for the six operands of every site's three GEMMs (:class:`~megatron_ext.precision.site_formats.
 GemmOperands`: fprop's x and w, dgrad's dy and w, wgrad's dy and x, each along its own
 reduction axis as :mod:`megatron_ext.precision.gemm` quantizes it), in the site's **base
 plan** formats — the low precision a promotion would replace, whatever the site ran in this
@@ -47,7 +47,7 @@ from megatron_ext.formats import Format, fake_quant
 from megatron_ext.methods.gnmr.rules import OperandStats
 from megatron_ext.methods.gnmr.units import unit_of_site
 from megatron_ext.precision.layers import quantized_linears
-from megatron_ext.precision.sites import resolve
+from megatron_ext.precision.site_formats import resolve
 from megatron_ext.sites import OPERANDS
 from megatron_ext.training.distributed import device
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from megatron_ext.formats import get_format
-from megatron_ext.methods.gnmr.controller import HIGH_CHOICES
+from megatron_ext.methods.gnmr.decisions import HIGH_CHOICES
 from megatron_ext.methods.gnmr.units import unit_sites
 from megatron_ext.precision.cost import operand_class
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import ROLES
 
 _AUTO_UP = {"fp4": "fp8", "fp8": "bf16"}

@@ -7,7 +7,7 @@ so a comparison at equal promoted unit-steps differs only in **which** units run
 same GNMR columns. A rule's decision after step ``t`` sets the units of step ``t + 1``.
 
 ``gnmr`` (default)
-    Algorithm 2 (:mod:`.controller`): thresholds, lock, maxO budget.
+    Algorithm 2 (:mod:`.decisions`): thresholds, lock, maxO budget.
 
 ``first-last``
     Static: the ``K`` units nearest the ends of the layer stack run high for the whole run,

@@ -7,7 +7,7 @@ operands quantize well and whose time is set by arithmetic.
 * :mod:`.observe` — taking the profile on every rank (observed passes, one all-reduce);
 * :mod:`.recipe` — thresholds, roofline filter, budget bisection, adversarial and random
   recipes, the PrecisionPlan with per-GEMM overrides; :mod:`.report` — its explanation;
-* :mod:`.options` — the flags; :mod:`.extension` — ``--precision pgq`` in training;
+* :mod:`.flags` — the flags; :mod:`.extension` — ``--precision pgq`` in training;
   :mod:`.cli` — ``tools/pgq_recipe.py``.
 
 The modules are imported one by one (no re-exports here). See ``docs/pgq.md``.

@@ -27,14 +27,14 @@ def build_parser() -> OneLineParser:
                         help="a PGQ profile (<run>/pgq/profile.json of --precision pgq)")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="folder for recipe.md, recipe.json and plan.json (created)")
-    from megatron_ext.methods.pgq.options import add_recipe_arguments
+    from megatron_ext.methods.pgq.flags import add_recipe_arguments
 
     add_recipe_arguments(parser)
     return parser
 
 
 def _run(argv: list[str]) -> None:
-    from megatron_ext.methods.pgq.options import recipe_config
+    from megatron_ext.methods.pgq.flags import recipe_config
     from megatron_ext.methods.pgq.profile import load_profile
     from megatron_ext.methods.pgq.recipe import make_recipe
     from megatron_ext.methods.pgq.report import summary, write_recipe

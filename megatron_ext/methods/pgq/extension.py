@@ -5,8 +5,8 @@ the batches it will train on, so the policy's ``make(args, arg)`` returns a safe
 (``pgq:safe``: nothing quantized) and the recipe replaces the base plan in ``before_step`` of
 the first step this process trains — after ``--load``, which ``after_setup`` would precede
 (a fine-tuned or resumed model is profiled with its loaded weights, not its random init), on
-the ``--pgq-profile-steps`` batches training consumes next. The platform's ``before_step``
-comes later in the same hook round and commits the recipe, so the very first step already
+the ``--pgq-profile-steps`` batches training consumes next. The platform's ``commit_step``
+phase follows every ``before_step`` and commits the recipe, so the very first step already
 runs it; the profile's time is reported as ``pgq_profile_s`` in that step's metrics, outside
 ``step_time_s``. Nothing stays attached: every other step runs without overhead.
 
@@ -32,15 +32,16 @@ from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.pgq.observe import collect_profile
-from megatron_ext.methods.pgq.options import (add_profile_arguments, add_recipe_arguments,
+from megatron_ext.methods.pgq.flags import (add_profile_arguments, add_recipe_arguments,
                                               candidates, recipe_config)
+from megatron_ext.methods.pgq.plots import PLOTS
 from megatron_ext.methods.pgq.profile import load_profile
 from megatron_ext.methods.pgq.recipe import make_recipe
 from megatron_ext.methods.pgq.report import summary, write_recipe
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.policies import Policy, register_policy
+from megatron_ext.precision.policies import Policy
 
 POLICY = "pgq"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -73,8 +74,14 @@ def pgq_plan(args: argparse.Namespace, arg: str | None) -> PrecisionPlan:
     return PrecisionPlan({}, method=f"{POLICY}:safe")
 
 
-register_policy(Policy(POLICY, pgq_plan, owner=POLICY,
-                       help="PGQ: per-GEMM recipe from a start-up SQNR profile"))
+PGQ_POLICY = Policy(POLICY, pgq_plan, owner=POLICY,
+                    help="PGQ: per-GEMM recipe from a start-up SQNR profile")
+"""The ``--precision pgq`` policy PGQ brings."""
+
+
+def active(args: argparse.Namespace) -> bool:
+    """``--precision pgq``."""
+    return args.precision == POLICY
 
 
 class PgqRun:
@@ -90,7 +97,7 @@ class PgqRun:
         self._profile_s: float | None = None
 
     def validate(self, args) -> None:
-        self.active = args.precision == POLICY
+        self.active = active(args)
         if not self.active:
             return
         if args.pgq_profile_steps < 1:
@@ -155,10 +162,12 @@ def pgq_extension(controller: PlanController) -> Extension:
     """The PGQ Extension of one run; its recipe replaces ``controller``'s base plan."""
     pgq = PgqRun(controller)
 
-    def active(hook):
+    def when_on(hook):
         return lambda args, *rest: hook(args, *rest) if pgq.active else None
 
     return Extension(name=POLICY, add_arguments=add_arguments, validate=pgq.validate,
-                     describe=active(describe),
-                     after_setup=active(pgq.after_setup), before_step=active(pgq.before_step),
-                     on_step=active(pgq.on_step))
+                     describe=when_on(describe),
+                     active=active, enabled_by=f"--precision {POLICY}", policies=(PGQ_POLICY,),
+                     plots=PLOTS,
+                     after_setup=when_on(pgq.after_setup),
+                     before_step=when_on(pgq.before_step), on_step=when_on(pgq.on_step))

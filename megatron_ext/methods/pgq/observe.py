@@ -43,7 +43,7 @@ from megatron_ext.methods.pgq.sqnr import TRANSPOSED, noise_sums, oriented, sqnr
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.layers import quantized_linears, tp_group, tp_input
 from megatron_ext.precision.observe import observed_pass
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.training.distributed import device
 
 

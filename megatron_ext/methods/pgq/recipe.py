@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from megatron_ext.methods.pgq.profile import EMBEDDING, GemmProfile, Profile
 from megatron_ext.precision.cost import DEVICES, Device, flop_report, site_cost
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import GEMM_ROLES, ROLES, parse_site_id
 
 MODES = ("recipe", "adversarial", "random")

@@ -44,7 +44,7 @@ import torch
 from megatron_ext.formats import get_format
 from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 CANDIDATES = {
     "int8": SiteFormats("int8@row", "int8@row", "int8@row+sr"),

@@ -89,7 +89,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from megatron_ext.extension import DryRunPart
 from megatron_ext.methods.snip.ilp import SolverConfig, solve
 from megatron_ext.methods.snip.memory import (GIB, RefreshMemory, local_sites, sums_per_site,
                                               refresh_memory as memory_of)
-from megatron_ext.methods.snip.options import parse_candidates, parse_option_name
+from megatron_ext.methods.snip.candidates import parse_option_name
 from megatron_ext.methods.snip.synthetic import synthetic_problem
 from megatron_ext.precision.cost import ModelShape, layer_stages
 from megatron_ext.precision.dry_run import micro_batch_shape
@@ -89,11 +89,10 @@ class IlpRun:
     """Wall seconds of ``solve``."""
 
 
-def snip_sizes(args, context) -> SnipSizes:
+def snip_sizes(config, args, context) -> SnipSizes:
     """Per-refresh statistics and collective sizes (module docstring); options per site are
-    (candidates per role) ** 3, counted from ``--snip-candidates``."""
-    per_role = len([c for c in args.snip_candidates.split(",") if c.strip()])
-    options = per_role ** len(ROLES)
+    (candidates per role) ** 3, from ``--snip-candidates`` (``config``, a ``SnipConfig``)."""
+    options = len(config.options)
     sites = len(SITES) * args.num_layers
     stage = [len(SITES) * len(s.layers) * options for s in context.stages]
     return SnipSizes(sites, options, stage, sites * options * SCALAR_BYTES,
@@ -113,10 +112,10 @@ def _solved(shape: ModelShape, seed: int, budget: float, mode: str):
         tuple(sol.choice.items())
 
 
-def solve_for_shape(args, shape: ModelShape) -> tuple[IlpRun, dict[str, str]]:
+def solve_for_shape(config, args, shape: ModelShape) -> tuple[IlpRun, dict[str, str]]:
     """The synthetic problem of ``shape`` solved at ``--snip-budget``; (summary, site ->
     option name)."""
-    ilp, choice = _solved(shape, args.seed, args.snip_budget, args.snip_stage_balance)
+    ilp, choice = _solved(shape, args.seed, config.budget, config.stage_balance)
     return ilp, dict(choice)
 
 
@@ -126,31 +125,31 @@ def plan_from_choice(choice: dict[str, str], budget: float, method: str) -> Prec
     return PrecisionPlan(sites, method=method, budget=budget)
 
 
-def stand_in_plan(args, shape: ModelShape) -> PrecisionPlan:
+def stand_in_plan(config, args, shape: ModelShape) -> PrecisionPlan:
     """``Policy.dry_run`` of SNIP and its statistics baselines: the ILP's plan at
-    ``--snip-budget`` for this shape (module docstring)."""
-    policy = args.precision.partition(":")[0]
-    method = ("snip (dry run, synthetic statistics)" if policy == "snip" else
-              f"{policy}: stood in for by the SNIP ILP plan at budget {args.snip_budget:g}")
-    return plan_from_choice(solve_for_shape(args, shape)[1], args.snip_budget, method)
+    ``--snip-budget`` for this shape (module docstring); ``config`` is the ``SnipConfig``."""
+    method = ("snip (dry run, synthetic statistics)" if config.policy == "snip" else
+              f"{config.policy}: stood in for by the SNIP ILP plan at budget "
+              f"{config.budget:g}")
+    return plan_from_choice(solve_for_shape(config, args, shape)[1], config.budget, method)
 
 
-def refresh_memory(args, context) -> list[RefreshMemory]:
+def refresh_memory(config, args, context) -> list[RefreshMemory]:
     """Per pipeline stage, what a refresh holds on one GPU beyond a step (:mod:`.memory`)."""
     shape = ModelShape.from_args(args)
     layout = context.layout
-    sums = sums_per_site(parse_candidates(args.snip_candidates).all_formats())
+    sums = sums_per_site(config.candidates)
     return [memory_of(s.per_gpu, 2 if layout.bf16 else 4,
                       local_sites(shape, s.layers, layout.tp),
                       layout.seq * layout.micro_batch, layout.micro_batches, sums)
             for s in context.stages]
 
 
-def estimate(args, context) -> DryRunPart:
+def estimate(config, args, context) -> DryRunPart:
     """SNIP's part of the report: a refresh's sizes and memory, and the ILP of this shape."""
-    ilp, _ = solve_for_shape(args, micro_batch_shape(args, context))
-    sizes = snip_sizes(args, context)
-    extra = refresh_memory(args, context)
+    ilp, _ = solve_for_shape(config, args, micro_batch_shape(args, context))
+    sizes = snip_sizes(config, args, context)
+    extra = refresh_memory(config, args, context)
     worst = max(extra, key=lambda m: m.total)
     stages = ", ".join(f"{f:.2f}" for f in ilp.stage_fp4_fraction)
     return DryRunPart(lines=(

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_ext.precision.plan import PrecisionPlan, apply_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.layers import apply_plan
+from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip.divergence import (SiteStats, adam_step_size, loss_divergence,
                                           weight_divergences)
 from megatron_ext.methods.snip.refresh import adam_statistics, collect, reduce_statistics

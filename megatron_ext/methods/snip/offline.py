@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
 from megatron_ext.sites import parse_site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.divergence import SiteStats
-from megatron_ext.methods.snip.options import Candidates
+from megatron_ext.methods.snip.candidates import Candidates
 from megatron_ext.io import read_json
 from megatron_ext.methods.snip.problem import Problem
 from megatron_ext.methods.snip.stats import PER_FORMAT, SCALARS

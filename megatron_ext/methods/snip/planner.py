@@ -28,11 +28,11 @@ import numpy as np
 from megatron_ext.precision.cost import ModelShape, layer_stages, site_cost
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.sites import parse_site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip.divergence import (Divergence, SiteStats, divergences,
                                            quantization_errors)
 from megatron_ext.methods.snip.ilp import Solution, SolverConfig, solve
-from megatron_ext.methods.snip.options import option_name
+from megatron_ext.methods.snip.candidates import option_name
 from megatron_ext.methods.snip.problem import Option, Problem, Site
 
 STATS_POLICIES = ("snip", "min-abs-err", "min-rel-err")

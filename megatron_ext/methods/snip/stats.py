@@ -88,7 +88,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron_ext.formats import get_format
 from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.layers import tp_group, tp_input
-from megatron_ext.precision.sites import PASSTHROUGH
+from megatron_ext.precision.site_formats import PASSTHROUGH
 from megatron_ext.methods.snip.probe_noise import seeded_noise
 
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"

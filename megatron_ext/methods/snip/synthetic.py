@@ -4,7 +4,7 @@ Used by the tests, ``benchmarks/ilp.py`` and SNIP's part of ``--dry-run``. Each 
 ``L{i}.{qkv|proj|fc1|fc2}`` runs three GEMMs of ``2·T·N·K`` FLOPs each (fprop reads x, w; dgrad
 dy, w; wgrad dy, x). An option puts a subset of the roles {x, w, dy} in FP4 and the rest in
 FP8 (the formats of ``uniform:fp4`` / ``uniform:fp8``, :func:`roles_formats`), named as in
-training (:func:`~megatron_ext.methods.snip.options.option_name`); a GEMM runs in
+training (:func:`~megatron_ext.methods.snip.candidates.option_name`); a GEMM runs in
 FP4 only when both of its operands are FP4 (a GEMM runs at its wider operand's rate), so
 
     FP4 roles     FP4 GEMMs        fp4_flops / flops
@@ -26,11 +26,11 @@ import dataclasses
 
 import numpy as np
 
-from megatron_ext.methods.snip import options
+from megatron_ext.methods.snip import candidates
 from megatron_ext.methods.snip.problem import Option, Problem, Site
 from megatron_ext.precision.cost import ModelShape, site_cost, stage_fixed_seconds
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import ROLES, SITES
 
 _OPTION_ROLES = ((), ("x", "w", "dy"), ("x", "w"), ("w", "dy"), ("x", "dy"),
@@ -60,7 +60,7 @@ def roles_formats(fp4_roles: tuple[str, ...]) -> SiteFormats:
 
 def option_name(fp4_roles: tuple[str, ...]) -> str:
     """Its name: ``x=<fmt>,w=<fmt>,dy=<fmt>``, the one spelling training's plans use too."""
-    return options.option_name(roles_formats(fp4_roles))
+    return candidates.option_name(roles_formats(fp4_roles))
 
 
 def stage_of_layers(num_layers: int, stages: int) -> list[int]:

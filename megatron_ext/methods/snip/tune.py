@@ -42,13 +42,14 @@ from dataclasses import replace
 
 from megatron_ext.precision.cost import operand_class
 from megatron_ext.sites import ROLES
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip.divergence import divergences
 from megatron_ext.methods.snip.ilp import STATUSES, Solution, SolverConfig, solve
 from megatron_ext.methods.snip.ilp_arrays import stage_time_bound
 from megatron_ext.methods.snip.offline import Planning
 from megatron_ext.methods.snip.problem import Problem
 from megatron_ext.training.dry_run import estimates
+from megatron_ext.training.layer_impl import resolve_transformer_impl
 
 KNEE_FACTOR = 2.0
 """The knee is the last budget whose marginal Q per FP4 fraction is <= this x the average."""
@@ -174,8 +175,10 @@ def default_microbatches(args: argparse.Namespace) -> int:
 def stage_table(planning: Planning, solution: Solution, microbatches: int) -> dict:
     """Per-stage rows and the 1F1B pipeline estimate (module docstring)."""
     problem = planning.problem
-    layout = estimates.Layout.from_args(
-        argparse.Namespace(**{**vars(planning.args), "num_microbatches": microbatches}))
+    layout = estimates.Layout.from_args(   # a SNIP run: the quantized linears, local layers
+        argparse.Namespace(**{**vars(planning.args), "num_microbatches": microbatches}),
+        resolve_transformer_impl(getattr(planning.args, "transformer_impl", "auto"), True,
+                                 te_available=True))
     per_mb = [t / (microbatches * layout.dp) for t in solution.stage_time]
     step = estimates.step_time(per_mb, layout)
     bottleneck = max(range(problem.num_stages), key=lambda k: solution.stage_time[k])

@@ -26,15 +26,11 @@ def state_bytes_per_param(bits: int, block: int) -> float:
     return 2 * (bits + (0 if bits == 32 else 32 / block)) / 8
 
 
-def dry_run_bits(args) -> int:
-    """``--stquant-dry-run-bits``, else the fixed width, else 8."""
-    return args.stquant_dry_run_bits or args.stquant_fixed_bits or 8
-
-
-def estimate(args, context) -> DryRunPart | None:
-    if args.optimizer != "stquant-adamw":
+def estimate(config, context) -> DryRunPart | None:
+    """The part of a run whose STQuant ``config`` (``STQuantConfig``; None: off) is given."""
+    if config is None:
         return None
-    layout, bits, block = context.layout, dry_run_bits(args), args.stquant_block_size
+    layout, bits, block = context.layout, config.dry_run_bits, config.block
     shards = layout.dp if layout.distributed_optimizer or layout.fsdp else 1
     rate = state_bytes_per_param(bits, block)
     per_gpu = tuple(s.per_gpu * rate / shards for s in context.stages)

@@ -48,6 +48,9 @@ class STQuantConfig:
     """Parameters with fewer elements (full size, all shards) keep float32 state."""
     fixed_bits: int | None = None
     """One width for every layer instead of the score engine (ablations, tests)."""
+    dry_run_bits: int = 8
+    """The width ``--dry-run`` counts every layer's m, v at (``--stquant-dry-run-bits``, else
+    ``fixed_bits``, else 8)."""
 
 
 class STQuantOptimizer:

@@ -76,11 +76,11 @@ class DryRunRequest:
     """``--bf16`` / ``--no-bf16`` as given, or None (then on, the GPU job's default)."""
 
 
-def request(family: str, argv, provider) -> DryRunRequest | None:
+def request(family: str, argv, provider, optimizers=()) -> DryRunRequest | None:
     """The dry run ``argv`` asks for, or None (read with the entry point's own parser)."""
     from megatron_ext.training.arguments import build_parser
 
-    raw = build_parser(family, provider).parse_args(argv)
+    raw = build_parser(family, provider, optimizers).parse_args(argv)
     if not raw.dry_run:
         if raw.dry_run_json:
             raise UsageError("--dry-run-json needs --dry-run")

@@ -10,6 +10,8 @@ from megatron_ext.training.dry_run.parts import (DryRunContext, collect, extra_m
                                                  stage_times)
 from megatron_ext.training.dry_run.report import REPORT_KEYS, DryRunReport, StageReport
 from megatron_ext.errors import UsageError
+from megatron_ext.extension import the_one
+from megatron_ext.training.layer_impl import resolve_transformer_impl
 
 
 def unpadded_vocab(args) -> int:
@@ -30,14 +32,16 @@ def unpadded_vocab(args) -> int:
         raise UsageError(str(exc).splitlines()[0]) from None
 
 
-def _check_impl(args) -> None:
-    """What ``model.resolve_transformer_impl`` / ``resolve_attention_backend`` would refuse on
-    the GPU job."""
-    per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
-    if args.transformer_impl == "transformer_engine" and per_layer:
-        raise UsageError("--transformer-impl transformer_engine uses TE's fused layers; "
-                         "per-layer precision needs --transformer-impl local")
-    est.assumed_attention(args)  # refuses a backend those layers cannot run
+def gpu_job_impl(args, extensions) -> str:
+    """The layer implementation the GPU job will get: the real run's decision
+    (:func:`~megatron_ext.training.layer_impl.resolve_transformer_impl`) for the extensions'
+    linears and the attention backend, on a node with Transformer Engine; ``UsageError`` where
+    the job would refuse (a backend those layers cannot run too)."""
+    custom = the_one(list(extensions), "linear_classes", args) is not None
+    impl = resolve_transformer_impl(args.transformer_impl, custom, te_available=True,
+                                    attention_backend=args.attention_backend)
+    est.attention_of(args, impl)
+    return impl
 
 
 def _stage(args, p: StageParams, layout, vocab: int, parts, seconds: float | None) \
@@ -65,9 +69,9 @@ def assemble(args, req, extensions=()) -> DryRunReport:
     """Every number of the report (see the package docstring)."""
     from megatron_ext.training import model
 
-    _check_impl(args)
+    impl = gpu_job_impl(args, extensions)
     padded = model.padded_vocab_size(unpadded_vocab(args), args)
-    layout = est.Layout.from_args(args)
+    layout = est.Layout.from_args(args, impl)
     start = time.perf_counter()
     stages = build_stages(args, padded)
     build_seconds = time.perf_counter() - start
@@ -82,7 +86,7 @@ def assemble(args, req, extensions=()) -> DryRunReport:
         _header(args, layout), total, reports, est.bubble_fraction(layout), step,
         args.global_batch_size * args.seq_length / step if times else None,
         args.dry_run_gpu_memory_gib * est.GIB, build_seconds,
-        _notes(args, req, layout, padded, parts), parts)
+        _notes(args, req, layout, padded, parts, impl), parts)
 
 
 def _activation_formula(layout) -> str:
@@ -92,18 +96,18 @@ def _activation_formula(layout) -> str:
     return "s·b·h·(10 + 24/t" + ("" if layout.flash_attention else " + 5·a·s/(h·t)") + ")"
 
 
-def _notes(args, req, layout, vocab: int, parts) -> list[str]:
+def _notes(args, req, layout, vocab: int, parts, impl: str) -> list[str]:
     """Assumptions behind the numbers, one line each (formulas: ``estimates.py``), then the
     parts' notes."""
     times = stage_times(parts)
     per_layer = est.layer_activation_bytes(args.hidden_size, args.num_attention_heads, layout)
     zero = f" / DP {layout.dp}" if layout.distributed_optimizer or layout.fsdp else ""
-    impl = est.assumed_impl(args)
+    layout_impl = impl
     if args.transformer_impl == "auto":
         impl += (" (auto, as on a GPU node with Transformer Engine)" if impl != "local" else
-                 " (auto: per-layer precision or the attention backend needs megatron-core's "
+                 " (auto: an extension's linears or the attention backend need megatron-core's "
                  "local layers)")
-    impl += f", attention {est.assumed_attention(args)}"
+    impl += f", attention {est.attention_of(args, layout_impl)}"
     attention = (f"layers {impl}: fused attention keeps no s x s scores"
                  if layout.flash_attention else f"layers {impl}: the s x s scores of the "
                  "unfused attention (5·a·s/h) included")

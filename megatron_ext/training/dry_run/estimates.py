@@ -43,7 +43,7 @@ micro-batch, ``h`` hidden size, ``a`` attention heads, ``t`` TP size, in bytes::
 ``5·a·s/h`` is the attention core's ``s × s`` scores (softmax output, dropout mask, ...).
 megatron-core's local ``DotProductAttention`` (``--attention-backend local``) and TE's unfused
 attention store them; SDPA (``sdpa``, the default in local layers) and TE's flash / fused
-attention do not, so the term is dropped for them (:func:`assumed_attention`).
+attention do not, so the term is dropped for them (:func:`attention_of`).
 The 34 is derived for a GPT-3 layer (4h GeLU MLP, multi-head attention, dropout masks); for
 Llama (SwiGLU, GQA, no dropout) it is an approximation. The last stage also keeps the FP32
 logits for the loss, ``4·s·b·v/t`` bytes (Korthikanti §4.3; ``v`` the padded vocabulary).
@@ -70,28 +70,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ext.training.attention_backend import LOCAL_BACKENDS, resolve_attention_backend
+from megatron_ext.training.attention_backend import resolve_attention_backend
 
 GIB = 2.0**30
 """Bytes in a GiB."""
 
 
-def assumed_impl(args) -> str:
-    """The layer implementation the GPU job will get. ``auto`` is resolved as on a GPU node
-    with Transformer Engine installed (the NGC image of ``Dockerfile``): TE, unless per-layer
-    precision (``--precision`` / ``--precision-plan``) or a local ``--attention-backend``
-    (sdpa / local) needs megatron-core's local layers."""
-    if args.transformer_impl != "auto":
-        return args.transformer_impl
-    per_layer = getattr(args, "precision", None) or getattr(args, "precision_plan", None)
-    local = per_layer or args.attention_backend in LOCAL_BACKENDS
-    return "local" if local else "transformer_engine"
-
-
-def assumed_attention(args) -> str:
-    """The core attention of :func:`assumed_impl`'s layers (``--attention-backend``
-    resolved; refused in one line where those layers cannot run it)."""
-    return resolve_attention_backend(args.attention_backend, assumed_impl(args))
+def attention_of(args, impl: str) -> str:
+    """The core attention ``impl``'s layers run (``--attention-backend`` resolved; refused in
+    one line where those layers cannot run it)."""
+    return resolve_attention_backend(args.attention_backend, impl)
 
 
 @dataclass(frozen=True)
@@ -124,14 +112,16 @@ class Layout:
     """No ``s × s`` scores stored (SDPA, or Transformer Engine's flash / fused attention)."""
 
     @classmethod
-    def from_args(cls, args) -> "Layout":
+    def from_args(cls, args, impl: str) -> "Layout":
+        """The layout of the parsed flags; ``impl`` the layer implementation the job gets
+        (``training.layer_impl.resolve_transformer_impl``)."""
         return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                    args.data_parallel, args.virtual_pipeline_model_parallel_size or 1,
                    args.num_microbatches, args.micro_batch_size, args.seq_length,
                    bool(args.sequence_parallel), bool(args.bf16),
                    bool(args.use_distributed_optimizer),
                    bool(args.use_torch_fsdp2 or args.use_megatron_fsdp),
-                   assumed_attention(args) not in ("local", "unfused"))
+                   attention_of(args, impl) not in ("local", "unfused"))
 
 
 @dataclass(frozen=True)

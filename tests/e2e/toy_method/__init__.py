@@ -2,8 +2,8 @@
 training/ or precision/): a policy, and an overlay that raises one site to BF16."""
 
 from megatron_ext.extension import Extension
-from megatron_ext.precision.policies import Policy, register_policy, uniform_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.policies import Policy, uniform_plan
+from megatron_ext.precision.site_formats import SiteFormats
 
 PROMOTED = "L0.fc2"
 """The site the overlay raises."""
@@ -15,8 +15,6 @@ def toy_plan(args, arg):
     fp4, fp8 = uniform_plan("fp4", args.num_layers), uniform_plan("fp8", args.num_layers)
     return fp4.replace(sites={**fp4.sites, "L1.qkv": fp8.sites["L1.qkv"]}, method="toy")
 
-
-register_policy(Policy("toy", toy_plan, help="the toy method's plan", owner="toy"))
 
 
 def toy_extension(controller) -> Extension:
@@ -33,4 +31,5 @@ def toy_extension(controller) -> Extension:
             return {"toy_promoted": PROMOTED}
         return None
 
-    return Extension("toy", add_arguments=add_arguments, on_step=on_step)
+    return Extension("toy", add_arguments=add_arguments, on_step=on_step, policies=(
+        Policy("toy", toy_plan, help="the toy method's plan", owner="toy"),))

@@ -3,7 +3,7 @@ fault handling). Used by the precision tests and benchmarks."""
 
 import sys
 
-from megatron_ext.precision import precision_extension
+from megatron_ext.precision.extension import precision_extension
 from megatron_ext.training.pretrain import main
 
 if __name__ == "__main__":  # dist_checkpointing spawns workers: keep the guard

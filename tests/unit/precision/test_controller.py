@@ -6,7 +6,7 @@ import pytest
 from megatron_ext.precision.controller import Overlay, PlanController, compose, raise_formats
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM, uniform_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 FP4, FP8, BF16 = UNIFORM["fp4"], UNIFORM["fp8"], UNIFORM["bf16"]
 
@@ -68,3 +68,31 @@ def test_state_round_trips_exactly():
 def test_bad_rule_is_refused():
     with pytest.raises(ValueError, match="overlay rule"):
         Overlay("x", "y", {}, rule="lower")
+
+
+def _lift_l0(base):
+    """A derived overlay: L0.qkv one step up from whatever the base holds."""
+    return {"L0.qkv": FP8 if base["L0.qkv"] == FP4 else BF16}
+
+
+def test_a_derived_overlay_follows_the_base_set_after_it():
+    ctl = PlanController()
+    ctl.set_base(uniform_plan("fp8", 1))
+    ctl.set_overlay("gnmr", "promotions", rule="raise", derive=_lift_l0)
+    assert ctl.effective().formats("L0.qkv") == BF16
+    ctl.set_base(uniform_plan("fp4", 1))  # set after the overlay was laid
+    assert ctl.effective().formats("L0.qkv") == FP8
+    saved = ctl.state_dict()  # checkpointed as its sites over the current base
+    assert saved["overlays"][0]["sites"] == {"L0.qkv": FP8.to_dict()}
+    restored = PlanController()
+    restored.load_state_dict(saved)
+    assert restored.effective() == ctl.effective()
+
+
+def test_a_derive_that_changes_the_controller_is_refused():
+    ctl = PlanController()
+    ctl.set_base(uniform_plan("fp4", 1))
+    ctl.set_overlay("x", "bad", derive=lambda base: ctl.set_base(uniform_plan("fp8", 1)))
+    with pytest.raises(RuntimeError, match="set_base while an overlay is derived"):
+        ctl.effective()
+    assert ctl.base == uniform_plan("fp4", 1)

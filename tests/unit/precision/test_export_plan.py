@@ -23,7 +23,7 @@ from megatron_ext.precision.plan import PrecisionPlan, save_plan
 from megatron_ext.precision.controller import compose
 from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
 from megatron_ext.precision.recipe_export import RECIPES, export_plan, write_recipe
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import SITES, site_id
 
 from precision_helpers import REPO, megatron_world  # noqa: F401  (fixture)

@@ -6,7 +6,7 @@ from megatron_ext.precision.cost import (ModelShape, flop_report, gemm_class, si
                                         stage_fixed_seconds, stage_seconds)
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 # 2 layers, hidden 4, ffn 6 (SwiGLU), 2 heads of dim 2, 1 KV group, 10 tokens, PP = 2.
 # (N, K): qkv (2*2 + 2*1*2, 4) = (8, 4) -> 32; proj (4, 4) -> 16; fc1 (12, 4) -> 48;

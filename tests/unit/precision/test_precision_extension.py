@@ -7,7 +7,7 @@ import pytest
 
 from megatron_ext.precision.plan import load_plan
 from megatron_ext.precision.policies import uniform_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from precision_helpers import FAST, REPO, launch_precision
 
 

@@ -9,7 +9,7 @@ from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAs
 from megatron_ext.formats import fake_quant
 from megatron_ext.precision.gemm import quantized_gemm
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats, resolve
+from megatron_ext.precision.site_formats import SiteFormats, resolve
 
 # ragged everywhere: T = 40*5 = 200 tokens, K = 200, N = 136 (none a multiple of 128)
 S, B, K, N = 40, 5, 200, 136

@@ -14,10 +14,11 @@ from megatron_ext.precision.layers import (
     quantized_linear_classes,
     quantized_linears,
 )
-from megatron_ext.precision.plan import PrecisionPlan, apply_plan
+from megatron_ext.precision.layers import apply_plan
+from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.sites import SITES
-from megatron_ext.precision.sites import SiteFormats, resolve
+from megatron_ext.precision.site_formats import SiteFormats, resolve
 
 from precision_helpers import megatron_world  # noqa: F401  (fixture)
 

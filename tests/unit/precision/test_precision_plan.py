@@ -9,8 +9,8 @@ import pytest
 
 from megatron_ext.precision.extension import PrecisionRun, add_arguments
 from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
-from megatron_ext.precision.policies import UNIFORM, uniform_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.policies import UNIFORM, PolicySet, uniform_plan
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.errors import UsageError
 
 PLAN = PrecisionPlan(
@@ -95,7 +95,7 @@ def test_load_plan_errors(tmp_path):
 
 def _args(*argv, num_layers=4):
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_arguments(parser, PolicySet())
     args = parser.parse_args(argv)
     args.num_layers = num_layers
     return args
@@ -135,8 +135,8 @@ def test_flag_errors_are_one_line_usage_errors(tmp_path):
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(PLAN.to_json())  # has layer 10
     cases = [
-        (("--precision", "uniform:fp6"), "--precision: unknown precision 'uniform:fp6'; "
-                                         "choose one of "),  # every registered spelling
+        (("--precision", "uniform:fp6"), "--precision: unknown precision 'uniform:fp6' in this "
+                                         "run; choose one of "),  # every offered spelling
         (("--precision", "uniform"), "uniform:bf16, uniform:fp8, uniform:fp4"),
         (("--precision", "uniform:none"), "uniform:fp4-tensor, uniform:<format>"),
         (("--precision", "uniform:"), "unknown precision 'uniform:'"),

@@ -6,7 +6,7 @@ import torch
 
 from megatron_ext.precision import te
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 AMPERE, ADA, HOPPER, BLACKWELL, RTX50 = (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)
 CURRENT = SiteFormats("fp8_e4m3", "fp8_e4m3", "fp8_e5m2")

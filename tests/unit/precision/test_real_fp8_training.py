@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.precision.plan import PrecisionPlan, save_plan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import SITES, site_id
 from precision_helpers import FAST, launch_precision
 

@@ -10,7 +10,7 @@ from megatron_ext.formats import get_format
 from megatron_ext.formats.fp8 import to_fp8
 from megatron_ext.precision import real_gemm
 from megatron_ext.precision.gemm import quantized_gemm
-from megatron_ext.precision.sites import SiteFormats, resolve
+from megatron_ext.precision.site_formats import SiteFormats, resolve
 
 S, B, K, N = 8, 4, 64, 48  # T = 32 tokens; every dimension a multiple of 16
 

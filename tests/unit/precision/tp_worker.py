@@ -17,9 +17,10 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.compat import cpu
 from megatron_ext.precision.layers import quantized_class
-from megatron_ext.precision.plan import PrecisionPlan, verify_same_plan
+from megatron_ext.precision.controller import verify_same_plan
+from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.training.distributed import init_process_group, resolve_launch
 
 S, B, H, F = 160, 2, 256, 512  # T = 320 tokens: 1x128 tiles along T end ragged

@@ -5,7 +5,6 @@ vocabulary 128256), closed-form parameter counts of the Llama / GPT layer, the f
 Korthikanti et al. 2022 and megatron-core's warm-up count, evaluated by hand.
 """
 
-import argparse
 import json
 import time
 
@@ -157,15 +156,25 @@ def test_in_flight_follows_megatron_warmup():
     assert est.step_time([1.0, 2.0], _layout(pp=2, vp=1, micro_batches=4)) == 5 * 2.0
 
 
-def test_auto_impl_is_resolved_as_on_a_gpu_node_with_te():
-    args = argparse.Namespace(transformer_impl="auto", precision=None, precision_plan=None,
-                              attention_backend="auto")
-    assert est.assumed_impl(args) == "transformer_engine"
-    assert est.assumed_attention(args) == "auto"  # TE's choice: flash / fused, no s x s
-    args.attention_backend = "sdpa"  # runs in megatron-core's local layers
-    assert (est.assumed_impl(args), est.assumed_attention(args)) == ("local", "sdpa")
-    args.attention_backend = "auto"
-    args.precision = "uniform:fp8"  # quantized linears need megatron-core's local layers
-    assert est.assumed_impl(args) == "local"
-    args.transformer_impl = "local"
-    assert est.assumed_impl(args) == "local"
+def test_the_dry_run_and_the_real_run_ask_one_impl_decision():
+    """One pure function decides for both (issue 24, item 4): ``auto`` is TE on a GPU node
+    unless an extension brings linears; TE with custom linears is refused by both."""
+    from megatron_ext.training.layer_impl import resolve_transformer_impl as impl
+    assert impl("auto", custom_linears=False, te_available=True) == "transformer_engine"
+    assert impl("auto", custom_linears=True, te_available=True) == "local"
+    for backend in ("sdpa", "local"):  # runs in megatron-core's local layers
+        assert impl("auto", False, True, attention_backend=backend) == "local"
+    assert impl("auto", False, True, attention_backend="flash") == "transformer_engine"
+    assert impl("local", custom_linears=False, te_available=True) == "local"
+    with pytest.raises(UsageError, match="per-layer precision needs --transformer-impl local"):
+        impl("transformer_engine", custom_linears=True, te_available=True)
+
+
+def test_gaussws_dry_run_reports_the_local_layers_the_job_gets(capsys):
+    """GaussWS asks for the quantized linears without a precision flag: the dry run (like the
+    real run) gets local layers from the extensions, not from flag names."""
+    dry(["--gaussws", "od", "--mock-data"], extensions=default_extensions())
+    assert "layers local (auto: an extension's linears" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="per-layer precision needs --transformer-impl local"):
+        dry(["--gaussws", "od", "--mock-data", "--transformer-impl", "transformer_engine"],
+            extensions=default_extensions())

@@ -180,12 +180,10 @@ def test_tp_not_dividing_padded_vocab(tmp_path):
 
 
 def test_transformer_engine_impl_needs_te_and_gpu():
-    from megatron_ext.training.model import resolve_transformer_impl, transformer_engine_available
-    if transformer_engine_available():
-        pytest.skip("TE present: this checks the CPU fallback")
-    assert resolve_transformer_impl("auto", custom_linears=False) == "local"
+    from megatron_ext.training.layer_impl import resolve_transformer_impl
+    assert resolve_transformer_impl("auto", custom_linears=False, te_available=False) == "local"
     with pytest.raises(UsageError, match="needs transformer_engine installed and a CUDA GPU"):
-        resolve_transformer_impl("transformer_engine", custom_linears=False)
+        resolve_transformer_impl("transformer_engine", custom_linears=False, te_available=False)
 
 
 def _two_short_documents(folder):

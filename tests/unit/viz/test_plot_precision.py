@@ -22,7 +22,7 @@ from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.controller import compose
 from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
 from megatron_ext.sites import SITES, site_id
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.viz.cli import main
 from megatron_ext.viz.colors import CLASS_COLORS, family_color, format_family
 from megatron_ext.viz.inputs import default_option, fp4_roles
@@ -305,3 +305,32 @@ def test_smoothing_does_not_lag_a_falling_loss():
     (train,) = loss_curves([LossCurve("bend", tuple(bend.items()), ())],
                            smooth=20).axes[0].get_lines()
     assert np.allclose(train.get_ydata(), list(bend.values()), atol=0.1)  # a mean: +0.4
+def test_subcommands_are_assembled_from_the_extensions(tmp_path, capsys):
+    """Issue 24, item 2: a method's plot is a subcommand when its extension brings it, and
+    not otherwise (the tool hard-codes none of them)."""
+    from matplotlib.figure import Figure
+
+    from megatron_ext.extension import Plot
+    from megatron_ext.viz.cli import main
+
+    seen = []
+
+    def draw(args):
+        seen.append(args.value)
+        return Figure(figsize=(1, 1))
+
+    toy = Plot("toy", "a toy figure", lambda p: p.add_argument("value"), draw)
+    out = tmp_path / "toy.png"
+    assert main(["toy", "7", "--out", str(out)], plots=[toy]) == 0
+    assert seen == ["7"] and out.stat().st_size > 0
+    assert main(["gnmr", "run", "--out", str(tmp_path / "g.png")], plots=[toy]) == 2
+    assert "invalid choice: 'gnmr'" in capsys.readouterr().err
+
+
+def test_the_tool_offers_exactly_the_plots_the_default_extensions_bring():
+    from megatron_ext.defaults import default_extensions, default_plots
+    from megatron_ext.extension import declared
+
+    names = [p.name for p in default_plots()]
+    assert names == [p.name for p in declared(default_extensions(), "plots")]
+    assert {"evolution", "divergence", "gnmr", "pgq", "stquant", "gaussws"} == set(names)

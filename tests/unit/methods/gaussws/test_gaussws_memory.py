@@ -15,7 +15,7 @@ from megatron_ext.methods.gaussws import GaussWSConfig, noise
 from megatron_ext.methods.gaussws.attach import SampledSites
 from megatron_ext.precision.layers import quantized_class
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "precision"))
 from precision_helpers import megatron_world  # noqa: E402,F401  (fixture)

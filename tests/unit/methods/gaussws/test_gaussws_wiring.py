@@ -11,7 +11,7 @@ from megatron_ext.methods.gaussws import GaussWSConfig, GaussWSWeight, ShardLayo
 from megatron_ext.methods.gaussws.attach import SampledSites, max_bits
 from megatron_ext.methods.gaussws.extension import GaussWSRun
 from megatron_ext.precision.controller import PlanController
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 
 @pytest.mark.parametrize("formats, dtype, bound", [

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from megatron_ext.methods.gnmr.controller import (
+from megatron_ext.methods.gnmr.decisions import (
     GnmrConfig, GnmrController, parse_max_promoted)
 
 # δ = 100 keeps Δ-GNMR at 1 for these short scripts, so only GNMR can trigger

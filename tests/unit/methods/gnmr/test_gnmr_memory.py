@@ -10,7 +10,7 @@ from megatron_ext.methods.gnmr.memory import (
     ActivationLayout, peak_extra_bytes, saved_elements, site_bits, unit_extra_bytes)
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 # hidden 64, 4 heads of 16, 2 KV groups, SwiGLU 128: K = 64 (qkv, proj, fc1), 128 (fc2)
 SHAPE = ModelShape(2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,

@@ -13,7 +13,7 @@ from megatron_ext.formats import fake_quant
 from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector, error_sums, \
     unit_stats
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import OPERANDS, all_site_ids
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.formats import available, get_format
-from megatron_ext.methods.gnmr.controller import HIGH_CHOICES
+from megatron_ext.methods.gnmr.decisions import HIGH_CHOICES
 from megatron_ext.methods.gnmr.promote import promoted_formats, promotion_overlay
 from megatron_ext.precision.policies import UNIFORM
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import OPERANDS, ROLES
 
 FP8 = SiteFormats("fp8_e4m3@tile128", "fp8_e4m3@block128", "fp8_e4m3@tile128")

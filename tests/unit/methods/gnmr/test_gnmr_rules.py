@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from megatron_ext.methods.gnmr.controller import GnmrConfig, GnmrController
+from megatron_ext.methods.gnmr.decisions import GnmrConfig, GnmrController
 from megatron_ext.methods.gnmr.rules import OperandStats, end_order
 from megatron_ext.methods.gnmr.units import unit_ids
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_ext.methods.gnmr.controller import GnmrConfig, GnmrController
+from megatron_ext.methods.gnmr.decisions import GnmrConfig, GnmrController
 from megatron_ext.methods.gnmr.units import (
     local_sq_vector, norms_from_sq, owns_dp_copy, unit_ids, unit_layer, unit_of_site, unit_sites)
 from megatron_ext.precision.cost import ModelShape

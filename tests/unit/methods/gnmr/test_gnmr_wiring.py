@@ -48,10 +48,8 @@ def test_every_element_owned_by_the_rank_whose_shard_holds_it(seed):
 def _parse(argv):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    parser.add_argument("--no-plan", action="store_true")
     args = parser.parse_args(argv)
-    args.precision = None if args.no_plan else "uniform:fp4"
-    args.precision_plan, args.use_torch_fsdp2, args.use_megatron_fsdp = None, False, False
+    args.use_torch_fsdp2, args.use_megatron_fsdp = False, False
     return config_from_args(args)
 
 
@@ -72,8 +70,6 @@ def test_flags_make_the_config():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--gnmr-lock", "3"], "--gnmr-lock needs --gnmr"),
-    (["--gnmr", "--no-plan"], "--gnmr promotes sites of a precision plan: give --precision"),
     (["--gnmr", "--gnmr-lock", "0"], "--gnmr-lock must be an integer >= 1"),
     (["--gnmr", "--gnmr-max-promoted", "many"], "--gnmr-max-promoted must be a count"),
     (["--gnmr", "--gnmr-max-promoted", "1.5"], "--gnmr-max-promoted fraction must be in (0, 1]"),
@@ -97,7 +93,6 @@ def test_fsdp_is_refused():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--gnmr"])
-    args.precision, args.precision_plan = "uniform:fp4", None
     args.use_torch_fsdp2, args.use_megatron_fsdp = True, False
     with pytest.raises(UsageError, match="does not run with --use-torch-fsdp2"):
         config_from_args(args)

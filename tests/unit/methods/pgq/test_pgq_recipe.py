@@ -16,7 +16,7 @@ from megatron_ext.methods.pgq.report import recipe_json, recipe_markdown
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 from megatron_ext.precision.cost import site_cost
 from megatron_ext.precision.plan import load_plan
-from megatron_ext.precision.sites import SiteFormats, resolve
+from megatron_ext.precision.site_formats import SiteFormats, resolve
 from megatron_ext.sites import GEMM_ROLES
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,7 +9,7 @@ import torch
 from megatron_ext.methods.pgq.sqnr import (CANDIDATES, TRANSPOSED, noise_sums, oriented, sqnr,
                                            to_db)
 from megatron_ext.precision.gemm import quantized_gemm
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats, resolve
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats, resolve
 from megatron_ext.sites import OPERANDS
 
 

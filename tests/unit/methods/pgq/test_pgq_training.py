@@ -79,7 +79,9 @@ def _validate(flags: list[str]) -> None:
     from megatron_ext.training.arguments import parse_args
 
     extensions = default_extensions()
-    args = parse_args("llama", [*FAST_ARGS, *PGQ, *flags, "--train-iters", "2"],
+    base = [a for flag, value in zip(PGQ[::2], PGQ[1::2]) if flag not in flags
+            for a in (flag, value)]  # each flag given once: a repeated one is refused
+    args = parse_args("llama", [*FAST_ARGS, *base, *flags, "--train-iters", "2"],
                       args_provider(extensions), world_size=1)
     for validate in hooks(extensions, "validate"):
         validate(args)

@@ -8,11 +8,11 @@ import pytest
 
 from megatron_ext.precision.cost import ModelShape, flop_report, site_cost, stage_fixed_seconds
 from megatron_ext.sites import SITES
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences, loss_divergence
 from megatron_ext.methods.snip.ilp import SolverConfig
-from megatron_ext.methods.snip.options import fp4_roles, option_name, parse_candidates, parse_option_name
+from megatron_ext.methods.snip.candidates import fp4_roles, option_name, parse_candidates, parse_option_name
 
 SHAPE = ModelShape(num_layers=6, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
                    num_query_groups=4, swiglu=True, tokens=1024, pipeline_stages=2)

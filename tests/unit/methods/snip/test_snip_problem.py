@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ext.methods.snip.ilp import solve
 from megatron_ext.methods.snip.problem import Option, Problem, Site
-from megatron_ext.methods.snip.options import parse_option_name
+from megatron_ext.methods.snip.candidates import parse_option_name
 from megatron_ext.methods.snip.synthetic import option_name, roles_formats, synthetic_problem
 from megatron_ext.sites import ROLES
 

@@ -15,7 +15,7 @@ import pytest
 from megatron_ext.precision.cost import flop_report
 from megatron_ext.precision.plan import load_plan
 from megatron_ext.methods.snip import offline, tune
-from megatron_ext.methods.snip.options import parse_option_name
+from megatron_ext.methods.snip.candidates import parse_option_name
 from pretrain_runner import FAST_ARGS, REPO, launch
 
 BUDGET, MODE = 0.6, "time"

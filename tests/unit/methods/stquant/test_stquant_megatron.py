@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.methods.stquant.adamw import QuantizedAdamW
-from megatron_ext.methods.stquant.extension import stquant_extension, validate
+from megatron_ext.methods.stquant.extension import stquant_extension
+from megatron_ext.methods.stquant.flags import OPTIMIZER, config_from_args
 from megatron_ext.methods.stquant.quantizer import QState, dequantize
 from megatron_ext.training.optimizer import adam_moments, main_params
 from pretrain_runner import FAST_ARGS
@@ -26,8 +27,8 @@ def run():
 
     ext = stquant_extension()
     args = parse_args("llama", [*FAST_ARGS, "--no-save", "--optimizer", "stquant-adamw"],
-                      args_provider([ext]), world_size=1)
-    validate(args)
+                      args_provider([ext]), world_size=1, optimizers=[OPTIMIZER])
+    ext.validate(args)
     training = setup(args, [ext])
     iterator = data_iterators(args, training.datasets[0], 0, 1)
     for _ in range(3):
@@ -164,6 +165,6 @@ def test_bad_flags_are_one_line_usage_errors(flags, message):
     from megatron_ext.training.arguments import parse_args
 
     args = parse_args("llama", ["--optimizer", "stquant-adamw", *flags],
-                      args_provider([stquant_extension()]), world_size=1)
+                      args_provider([stquant_extension()]), world_size=1, optimizers=[OPTIMIZER])
     with pytest.raises(UsageError, match=message):
-        validate(args)
+        config_from_args(args)

@@ -11,7 +11,7 @@ from megatron_ext.errors import UsageError, finite_float
 from megatron_ext.methods.pgq.recipe import MODES, NO_ROOFLINE, RecipeConfig
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 from megatron_ext.precision.cost import DEVICES
-from megatron_ext.precision.sites import SiteFormats
+from megatron_ext.precision.site_formats import SiteFormats
 
 DEFAULT = RecipeConfig()
 

@@ -18,7 +18,7 @@ from megatron_ext.formats import get_format
 from megatron_ext.precision.cost import operand_class
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.sites import ROLES
-from megatron_ext.precision.sites import PASSTHROUGH, SiteFormats
+from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 
 DEFAULT_CANDIDATES = "fp8,fp4"
 """SNIP's candidate set: FP8 and FP4 per role."""
