@@ -123,7 +123,7 @@ def test_late_profile_and_quantized_logits(tmp_path):
     without it; a resume after step 2 keeps the logits formats (step 3 bit for bit)."""
     base = [*FAST_ARGS, *LATE, "--train-iters", "3", "--no-save"]
     plain, linear, logits = (tmp_path / n for n in ("plain", "linear", "logits"))
-    launch([*FAST_ARGS, "--train-iters", "1", "--no-save", "--run-dir", str(plain)])
+    launch([*FAST_ARGS, "--train-iters", "3", "--no-save", "--run-dir", str(plain)])
     launch([*base, "--run-dir", str(linear)])
     launch([*base, "--pgq-logits", "--run-dir", str(logits)])
     assert load_profile(str(logits / "pgq" / "profile.json")).step == 1
