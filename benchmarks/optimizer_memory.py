@@ -63,7 +63,7 @@ def state_bytes(optimizer) -> tuple[int, int]:
         inner = mp.sub.optimizer
         numel += mp.main.numel()
         if hasattr(inner, "state_nbytes"):  # STQuant: codes + scales, or float32
-            total += inner.state_nbytes(mp.main)
+            total += sum(inner.state_nbytes(mp.main))
             continue
         total += sum(_tensor_bytes(v, seen) for k, v in inner.state.get(mp.main, {}).items()
                      if k != "step")

@@ -17,6 +17,7 @@ Triton kernels (:mod:`.triton_kernels`) take over where they apply.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from .amax import block_amax, finite_amax
 from .elements import CastElement
 from .registry import Format, get_format
 from .rounding import uniform_noise_, work_dtype
-from .scaling import Factors, Scaling
+from .scaling import AmaxScaling, ColScaling, Factors, Scaling
 
 __all__ = ["CHUNK_ELEMS", "RoundedChunk", "fake_quant", "fake_quant_2d", "rounded_chunks"]
 
@@ -66,6 +67,10 @@ def fake_quant(
     if x.numel() == 0:
         return x.clone()
     x2, axis = to_2d(x, axis)
+    if isinstance(fmt.scaling, ColScaling):  # a scale per column: per row of the transpose
+        row = dataclasses.replace(fmt, scaling=AmaxScaling(rows=1, cols=None))
+        y2 = _dispatch(x2.t().contiguous(), row, generator, tensor_amax).t().contiguous()
+        return from_2d(y2, x.shape, axis)
     return from_2d(_dispatch(x2, fmt, generator, tensor_amax), x.shape, axis)
 
 

@@ -32,7 +32,7 @@ from .elements import CastElement
 from .pipeline import FLOAT_DTYPES, blocking, check_dtype, from_2d, rounded_chunks, to_2d
 from .registry import Format, get_format
 from .rounding import work_dtype
-from .scaling import Scaling
+from .scaling import ColScaling, Scaling
 
 __all__ = ["QuantizedTensor", "dequantize", "quantize"]
 
@@ -138,6 +138,9 @@ def quantize(
     the same ``generator`` state gives the same stochastic rounding)."""
     fmt = get_format(fmt)
     check_dtype(x, "quantize")
+    if isinstance(fmt.scaling, ColScaling):
+        raise ValueError(f"{fmt.name}: per-column scales have no packed storage (fake_quant "
+                         "only)")
     x2, axis = to_2d(x, axis)
     fields = _quantize_2d(x2, fmt, generator)
     return QuantizedTensor(fmt=fmt, shape=tuple(x.shape), dtype=x.dtype, axis=axis, **fields)

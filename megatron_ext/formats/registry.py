@@ -5,7 +5,7 @@ Grammar (case-insensitive, surrounding blanks ignored)::
     name     := alias ["+sr"] | element ["@" scaling] ["+sr"]
     element  := fp32 | bf16 | fp16 | fp8_e4m3 | fp8_e5m2 | fp6_e3m2 | fp6_e2m3
               | fp4_e2m1 | int8 | int4
-    scaling  := none | tensor | row | tile<N> | block<N> | mx[<N>] | nv[<N>]
+    scaling  := none | tensor | row | col | tile<N> | block<N> | mx[<N>] | nv[<N>]
     alias    := mxfp8 | mxfp8_e5m2 | mxfp6_e3m2 | mxfp6_e2m3 | mxfp4 | nvfp4
 
 Without ``@``, IEEE casts (fp32/bf16/fp16) are unscaled and everything else is scaled per
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .elements import ElementType, get_element
 from .rounding import Rounding
-from .scaling import AmaxScaling, MXScaling, NoScaling, NVScaling, Scaling
+from .scaling import AmaxScaling, ColScaling, MXScaling, NoScaling, NVScaling, Scaling
 
 __all__ = ["Format", "available", "get_format", "parse_format", "register"]
 
@@ -39,6 +39,7 @@ _SCALING_PATTERNS = [
     (re.compile(r"none"), lambda n: NoScaling()),
     (re.compile(r"tensor"), lambda n: AmaxScaling(rows=None, cols=None)),
     (re.compile(r"row"), lambda n: AmaxScaling(rows=1, cols=None)),
+    (re.compile(r"col"), lambda n: ColScaling(rows=1, cols=None)),
     (re.compile(r"tile(\d+)"), lambda n: AmaxScaling(rows=1, cols=n)),
     (re.compile(r"block(\d+)"), lambda n: AmaxScaling(rows=n, cols=n)),
     (re.compile(r"mx(\d*)"), lambda n: MXScaling(cols=n or 32)),
@@ -102,7 +103,8 @@ def _parse_scaling(text: str) -> Scaling:
         if match and (not digits or int(digits) > 0):
             return make(int(digits) if digits else None)
     raise ValueError(
-        f"unknown scaling {text!r}; use none, tensor, row, tile<N>, block<N>, mx[<N>] or nv[<N>]"
+        f"unknown scaling {text!r}; use none, tensor, row, col, tile<N>, block<N>, mx[<N>] "
+        "or nv[<N>]"
     )
 
 

@@ -11,6 +11,7 @@ name         block           scale
 none         -               1 (the element range is used as is)
 tensor       whole tensor    float32 ``d = amax / max``
 row          1 x whole axis  float32 ``d`` per row
+col          all rows x 1    float32 ``d`` per column: per index of the axis
 tile128      1 x 128         float32 ``d`` per tile (DeepSeek-V3: x and dy)
 block128     128 x 128       float32 ``d`` per block (DeepSeek-V3: weights)
 mx32         1 x 32          E8M0 power of two (OCP MX v1.0)
@@ -30,7 +31,8 @@ import torch
 from .elements import ElementType, FloatElement, get_element
 from .rounding import clear_low_bits_, e8m0_decode, e8m0_encode, e8m0_pow2
 
-__all__ = ["AmaxScaling", "Factors", "MXScaling", "NVScaling", "NoScaling", "Scaling"]
+__all__ = ["AmaxScaling", "ColScaling", "Factors", "MXScaling", "NVScaling", "NoScaling",
+           "Scaling"]
 
 
 class Factors(NamedTuple):
@@ -144,6 +146,20 @@ class AmaxScaling(Scaling):
         d = clear_low_bits_(amax / divisor, element.max_significand_bits)
         d.clamp_(min=torch.finfo(d.dtype).tiny)
         return Factors(quant=d.reciprocal(), dequant=self.dequant(d), block_scale=d)
+
+
+@dataclass(frozen=True)
+class ColScaling(AmaxScaling):
+    """``row``'s float32 scale turned across: one per *column* of the 2-D view, i.e. per index
+    of the quantization axis, taken over all the other dimensions (``@col``). For wgrad's
+    ``x``, quantized along the tokens, that is one scale per token — the token-wise
+    activation quantization of GNMR §5.1 — whereas ``row`` there is one per input feature.
+    :func:`~.pipeline.fake_quant` runs it as ``row`` on the transposed view; it has no
+    packed storage (:func:`~.quantized.quantize` refuses it)."""
+
+    @property
+    def name(self) -> str:
+        return "col"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@ safe plan and later replaces the base through the plan controller (:mod:`.contro
   above FP32 on the tiny Llama instead of ~0.6 %;
 * any other ``megatron_ext.formats`` name (``mxfp4``, ``nvfp4``, ``mxfp8``, ``fp8_e4m3@row``,
   ``int8@tile128``, ``nvfp4+sr``, ...) — that one format for all three operands (``+sr``, too).
+* ``wgrad-x4-token`` / ``wgrad-x8-token`` — GNMR §5.1's activation quantization: only the
+  activation the weight gradient reads (``wgrad.x``, the one a linear saves for its backward)
+  in E2M1 / E4M3 with one scale per token (``@col`` along the tokens), every other operand
+  unquantized (the run's own precision).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ UNIFORM = {
     "fp8": SiteFormats("fp8_e4m3@tile128", "fp8_e4m3@block128", "fp8_e4m3@tile128"),
     "fp4": SiteFormats("fp4_e2m1@tile128", "fp4_e2m1@block128", "fp4_e2m1@tile128+sr"),
     "fp4-tensor": SiteFormats("fp4_e2m1", "fp4_e2m1", "fp4_e2m1"),
+    "wgrad-x4-token": SiteFormats("none", "none", "none",
+                                  overrides=(("wgrad.x", "fp4_e2m1@col"),)),
+    "wgrad-x8-token": SiteFormats("none", "none", "none",
+                                  overrides=(("wgrad.x", "fp8_e4m3@col"),)),
 }
 """The ``uniform:<recipe>`` site formats (module docstring)."""
 

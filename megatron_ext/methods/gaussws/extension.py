@@ -8,11 +8,11 @@ Hooks, in the order a run calls them (``default_extensions()``):
 2. ``after_model`` — the model is built, before DDP and the optimizer: every chosen site gets
    its ``b_i`` grid and the transform (:meth:`.attach.SampledSites.attach`). ``b_i`` is an
    ordinary parameter from here on: DDP reduces its gradient over data-parallel ranks, the
-   optimizer updates it with weight decay (pulling b_t towards b_target, eq. 9), the gradient
+   optimizer updates it with weight decay (pulling b_t towards b_target_decay, eq. 9), the gradient
    norm counts it once (no ``tensor_model_parallel`` attribute: a TP duplicate), and the
    checkpoint holds it with the layer (``...linear_fc2.gaussws.b_i``, replicated over TP);
 3. ``wrap_optimizer`` — with ``--gaussws-lambda`` > 0, ``optimizer.step`` first adds eq. 10's
-   gradient ``∂/∂b_i (λ/n Σ|b_t - b_target|)`` to the reduced b_i gradients (n: every tile of
+   gradient ``∂/∂b_i (λ/n Σ|b_t - b_target_loss|)`` to the reduced b_i gradients (n: every tile of
    every sampled weight, model-wide; each pipeline stage adds its own tiles' terms);
 4. ``after_setup`` registers the checkpoint state ``gaussws`` (the run seed and the settings);
 5. ``before_step`` (and already ``on_step`` of the step before, for observed passes made
@@ -101,7 +101,7 @@ class GaussWSRun:
         if not sids:
             return
         params = [self.sampled.modules[s].gaussws.b_i for s in sids]
-        loss = bitwidth_loss([self.sampled.bits(s) for s in sids], self.config.b_target,
+        loss = bitwidth_loss([self.sampled.bits(s) for s in sids], self.config.b_target_loss,
                              self.config.lam, self.tiles)
         scale = optimizer.get_loss_scale().item()
         for param, grad in zip(params, torch.autograd.grad(loss, params)):
@@ -133,14 +133,16 @@ class GaussWSRun:
     def state_dict(self) -> dict:
         c = self.config
         return {"run_seed": self.sampled.seeds.run_seed, "sites": list(c.sites),
-                "block": c.block, "b_init": c.b_init, "b_target": c.b_target}
+                "block": c.block, "b_init": c.b_init, "b_target_decay": c.b_target_decay}
 
     def load_state_dict(self, state: dict) -> None:
         c = self.config
-        saved = (tuple(state["sites"]), state["block"], state["b_init"], state["b_target"])
-        if saved != (c.sites, c.block, c.b_init, c.b_target):
+        # checkpoints written before eq. 9 / eq. 10 targets were separate call eq. 9's "b_target"
+        decay = state.get("b_target_decay", state.get("b_target"))
+        saved = (tuple(state["sites"]), state["block"], state["b_init"], decay)
+        if saved != (c.sites, c.block, c.b_init, c.b_target_decay):
             raise UsageError(f"--load: the checkpoint's GaussWS (sites {saved[0]}, block "
-                             f"{saved[1]}, b_init {saved[2]}, b_target {saved[3]}) differs "
+                             f"{saved[1]}, b_init {saved[2]}, b_target_decay {saved[3]}) differs "
                              "from the flags'")
         self.sampled.seeds = NoiseSeeds(state["run_seed"])
 

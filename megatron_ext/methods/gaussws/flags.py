@@ -2,9 +2,11 @@
 
 ``--gaussws`` picks the sites whose weights are sampled: ``od`` (the paper's [out, down]:
 the last linear of each residual branch, ``proj`` and ``fc2``), ``all``, or a comma list
-of ``qkv,proj,fc1,fc2``. Bit widths follow eq. 9, ``b_t = b_target + b_i (b_init -
-b_target)`` with ``b_i`` starting at 1, and the optional eq. 10 loss adds
-``λ / n Σ |b_t - b_target|``. Paper values: b_init 6, b_target 4, λ 1e-4, 32 x 32 tiles.
+of ``qkv,proj,fc1,fc2``. Bit widths follow eq. 9, ``b_t = b_decay + b_i (b_init -
+b_decay)`` with ``b_i`` starting at 1 (weight decay on ``b_i`` pulls b_t towards ``b_decay``),
+and the eq. 10 loss adds ``λ / n Σ |b_t - b_loss|``. The paper's OPT2 setting (§4.1), the
+defaults: b_init 6, b_target 0 for weight decay, b_target 4 for the bit-width loss, λ 1e-4,
+32 x 32 tiles; its Llama2 setting (§4.2) is ``--gaussws-b-target-decay 4``.
 """
 
 from __future__ import annotations
@@ -40,17 +42,20 @@ class GaussWSConfig:
     """Sites whose weights are sampled (``--gaussws``); empty: GaussWS off."""
     b_init: float = 6.0
     """Initial bit width of every tile, b_t at b_i = 1 (``--gaussws-b-init``)."""
-    b_target: float = 4.0
-    """Bit width that weight decay on b_i (and the eq. 10 loss) pulls b_t towards
-    (``--gaussws-b-target``)."""
-    lam: float = 0.0
+    b_target_decay: float = 0.0
+    """b_target of eq. 9: the bit width weight decay on b_i pulls b_t towards
+    (``--gaussws-b-target-decay``; paper §4.1: 0)."""
+    b_target_loss: float = 4.0
+    """b_target of eq. 10: the bit width the bit-width loss pulls b_t towards
+    (``--gaussws-b-target-loss``; paper §4.1: 4)."""
+    lam: float = 1e-4
     """λ of the eq. 10 bit-width loss; 0 leaves it out (``--gaussws-lambda``, paper 1e-4)."""
     block: int = 32
     """Side of the square tiles sharing one max and one b_t (``--gaussws-block``)."""
 
     def __post_init__(self):
-        if self.b_init == self.b_target:
-            raise UsageError("--gaussws-b-init must differ from --gaussws-b-target "
+        if self.b_init == self.b_target_decay:
+            raise UsageError("--gaussws-b-init must differ from --gaussws-b-target-decay "
                              "(eq. 9 scales b_i by their difference)")
         if self.block < 1:
             raise UsageError(f"--gaussws-block must be a positive integer, got {self.block}")
@@ -66,8 +71,8 @@ class GaussWSConfig:
     def from_args(cls, args: argparse.Namespace) -> GaussWSConfig:
         """The settings from parsed flags (see :func:`add_arguments`)."""
         sites = parse_sites(args.gaussws) if args.gaussws else ()
-        return cls(sites, args.gaussws_b_init, args.gaussws_b_target, args.gaussws_lambda,
-                   args.gaussws_block)
+        return cls(sites, args.gaussws_b_init, args.gaussws_b_target_decay,
+                   args.gaussws_b_target_loss, args.gaussws_lambda, args.gaussws_block)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,10 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"of {','.join(SITES)}; off when absent")
     g.add_argument("--gaussws-b-init", type=finite_float, default=d.b_init,
                    help=f"initial bit width of every 32x32 tile (default {d.b_init})")
-    g.add_argument("--gaussws-b-target", type=finite_float, default=d.b_target,
-                   help=f"bit width weight decay on b_i pulls towards (default {d.b_target})")
+    g.add_argument("--gaussws-b-target-decay", type=finite_float, default=d.b_target_decay,
+                   help="b_target of eq. 9: the bit width weight decay on b_i pulls b_t "
+                        f"towards (default {d.b_target_decay:g}, the paper's OPT2 setting; "
+                        "its Llama2 setting is 4)")
+    g.add_argument("--gaussws-b-target-loss", type=finite_float, default=d.b_target_loss,
+                   help="b_target of eq. 10: the bit width the bit-width loss pulls b_t "
+                        f"towards (default {d.b_target_loss:g})")
     g.add_argument("--gaussws-lambda", type=finite_float, default=d.lam,
-                   help="weight of the bit-width loss lambda/n sum|b - b_target| (eq. 10); "
-                        "0 = off (default; the paper uses 1e-4)")
+                   help="weight of the bit-width loss lambda/n sum|b_t - b_target_loss| "
+                        f"(eq. 10); 0 = off (default {d.lam:g}, the paper's)")
     g.add_argument("--gaussws-block", type=int, default=d.block,
                    help=f"side of the square tiles (default {d.block}, OCP MX)")

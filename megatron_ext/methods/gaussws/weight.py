@@ -1,16 +1,18 @@
 """The learnable bit widths of one sampled weight (eq. 9, 10, 6) and the module tying them to
 eq. 1: what the wiring attaches to each sampled linear.
 
-**Eq. 9.** Each tile's bit width is ``b_t = b_target + b_i · (b_init - b_target)`` with the
-internal parameter ``b_i`` initialised to 1 (so b_t starts at b_init). Plain (decoupled)
-weight decay on ``b_i`` pulls it towards 0, i.e. b_t towards b_target; ``∂L/∂b_i =
-(b_init - b_target) · ∂L/∂b_t`` comes from autograd through this affine map.
+**Eq. 9.** Each tile's bit width is ``b_t = b_decay + b_i · (b_init - b_decay)`` with the
+internal parameter ``b_i`` initialised to 1 (so b_t starts at b_init), ``b_decay`` the
+paper's b_target "for weight decay" (``--gaussws-b-target-decay``). Plain (decoupled) weight
+decay on ``b_i`` pulls it towards 0, i.e. b_t towards b_decay; ``∂L/∂b_i =
+(b_init - b_decay) · ∂L/∂b_t`` comes from autograd through this affine map.
 
 **Eq. 6.** ``b_t`` is clamped at the GEMM format's underflow bound (``max_bits``, see
 :func:`.sampling.underflow_bound`): above it the gradient is 0, like any clamp, so weight
 decay brings b_i back under it.
 
-**Eq. 10** (optional): ``L' = L + λ/n Σ_i |b_t^i - b_target|`` over all n tiles of all
+**Eq. 10** (λ > 0): ``L' = L + λ/n Σ_i |b_t^i - b_loss|`` (b_loss: the paper's b_target "for
+the bitwidth loss", ``--gaussws-b-target-loss``) over all n tiles of all
 sampled weights (:func:`bitwidth_loss`; under pipeline parallelism each stage adds its own
 tiles' terms with the model-wide n).
 
@@ -39,12 +41,12 @@ class GaussWSWeight(torch.nn.Module):
     def __init__(self, layout: ShardLayout, config: GaussWSConfig, device=None):
         super().__init__()
         self.layout = layout
-        self.b_init, self.b_target = config.b_init, config.b_target
+        self.b_init, self.b_decay = config.b_init, config.b_target_decay
         self.b_i = torch.nn.Parameter(torch.ones(layout.grid_shape, device=device))
 
     def bits(self, max_bits: float | None = None) -> torch.Tensor:
         """b_t per tile (eq. 9), clamped at ``max_bits`` (eq. 6) when given."""
-        b = self.b_target + self.b_i * (self.b_init - self.b_target)
+        b = self.b_decay + self.b_i * (self.b_init - self.b_decay)
         return b if max_bits is None else b.clamp(max=max_bits)
 
     def forward(self, w: torch.Tensor, key: int, max_bits: float | None = None, group=None,

@@ -48,7 +48,9 @@ step a static rule keeps its set and ``autoswitch`` decides from that step's sta
 **Promoted unit-steps.** Every decision adds the units that *ran* high in the step just
 decided on (the set the previous decision chose) to ``unit_steps_high``, so after step ``t``
 the promoted fraction is ``unit_steps_high / (units · t)`` — the budget the comparison of
-rules matches (metrics ``gnmr_unit_steps_high``, ``gnmr_units``).
+rules matches (metrics ``gnmr_unit_steps_high``, ``gnmr_units``). Apart from it, the
+cumulative ``gnmr_exceed_alpha`` / ``gnmr_exceed_beta`` count the unit-steps whose metric
+crossed its threshold (under every rule): over ``units · t``, the paper's Table-4 rate.
 """
 
 from __future__ import annotations
@@ -243,6 +245,10 @@ class GnmrController:
     """The baseline rule deciding instead of Algorithm 2 (:mod:`.rules`; None: ``gnmr``)."""
     unit_steps_high: int = 0
     """Units that ran high, summed over the steps decided on so far."""
+    exceeded: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64))
+    """Unit-steps whose GNMR crossed α_t and whose Δ-GNMR crossed β_t, summed over the steps
+    observed, under every rule: the paper's Table-4 exceedance rate (over units · steps),
+    apart from the unit-steps held high (lock, budget, rule)."""
 
     @classmethod
     def create(cls, config: GnmrConfig, units: Sequence[str], total_steps: int):
@@ -271,11 +277,12 @@ class GnmrController:
         ``stats``: the step's operand statistics (needed by ``--gnmr-rule autoswitch``)."""
         alpha, beta = self.config.thresholds(iteration, self.total_steps)
         m = self.state.update(norms)
+        over_alpha = self._v(m.gnmr) > alpha
+        over_beta = self._v(m.dgnmr) > beta
+        self.exceeded += (int(over_alpha.sum()), int(over_beta.sum()))
         if self.rule is not None:
             header = {"step": iteration, "rule": self.rule.name, "alpha": alpha, "beta": beta}
             return self._rule_decision(header, m, self.rule.decide(iteration, m, stats), stats)
-        over_alpha = self._v(m.gnmr) > alpha
-        over_beta = self._v(m.dgnmr) > beta
         triggered = over_alpha | over_beta
         risk = np.maximum(self._v(m.gnmr) / alpha, self._v(m.dgnmr) / beta)
         lock = np.where(triggered, self.config.lock, np.maximum(self.lock - 1, 0))
@@ -336,6 +343,7 @@ class GnmrController:
         self.unit_steps_high += int(self.high.sum())  # the units that ran this step high
         counts["gnmr_unit_steps_high"] = self.unit_steps_high
         counts["gnmr_units"] = len(self.units)
+        counts["gnmr_exceed_alpha"], counts["gnmr_exceed_beta"] = map(int, self.exceeded)
         wanting = np.flatnonzero(high)
         counts["gnmr_budget_dropped"] = max(len(wanting) - budget, 0)
         if len(wanting) > budget:
@@ -358,7 +366,7 @@ class GnmrController:
                 "high": self.high.tolist(), "lock": self.lock.tolist(),
                 "risk": self.risk.tolist(), "rule": self.config.rule,
                 "rule_state": self.rule.state_dict() if self.rule else {},
-                "unit_steps_high": self.unit_steps_high}
+                "unit_steps_high": self.unit_steps_high, "exceeded": self.exceeded.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (units, δ and the rule must match this run;
@@ -374,6 +382,7 @@ class GnmrController:
         if self.rule is not None:
             self.rule.load_state_dict(state["rule_state"])
         self.unit_steps_high = int(state.get("unit_steps_high", 0))
+        self.exceeded = np.array(state.get("exceeded", (0, 0)), dtype=np.int64)
         self.high = np.array(state["high"], dtype=bool)
         self.lock = np.array(state["lock"], dtype=np.int64)
         self.risk = np.array(state["risk"], dtype=np.float64)

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gnmr-rule", choices=RULES,
                    help=f"who picks the promoted units: gnmr (Algorithm 2), or a baseline: "
                         f"first-last (the K units nearest the ends, whole run), static-topk "
-                        f"(the K largest mean GNMR over the warm-up, fixed after it), "
+                        f"(the K largest mean GNMR over the warm-up, fixed after it; "
+                        f"static-topk-warm-high: every unit high during that warm-up, App. E.3), "
                         f"autoswitch (TE AutoswitchGemm: a unit whose operand underflow or "
                         f"MSE is over its threshold runs the next step high) "
                         f"(default {d.rule})")
@@ -97,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> GnmrConfig | None:
         raise UsageError("--gnmr reads megatron DDP's gradient buffers: it does not run with "
                          "--use-torch-fsdp2 / --use-megatron-fsdp")
     rule = given.get("rule", DEFAULTS.rule)
-    for field, rules in (("topk", ("first-last", "static-topk")),
+    for field, rules in (("topk", ("first-last", "static-topk", "static-topk-warm-high")),
                          ("autoswitch_underflow_pct", ("autoswitch",)),
                          ("autoswitch_mse", ("autoswitch",))):
         if field in given and rule not in rules:

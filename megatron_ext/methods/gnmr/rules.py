@@ -28,6 +28,11 @@ same GNMR columns. A rule's decision after step ``t`` sets the units of step ``t
     deeper unit). Unlike the paper, the warm-up
     runs in the base plan's precision, not BF16, so it costs no promoted unit-steps.
 
+``static-topk-warm-high``
+    ``static-topk`` with App. E.3's warm-up: every unit runs high (``--gnmr-high``) during
+    the warm-up stage — the paper's "warm-up phase (500 steps) in BF16" — and those
+    unit-steps count in ``gnmr_unit_steps_high``; the same top-K after it.
+
 ``autoswitch``
     Transformer Engine's ``AutoswitchGemm`` debug feature re-implemented per unit: a unit
     runs the next step high when, in this step, any low-precision operand of any of its
@@ -51,7 +56,7 @@ import numpy as np
 from megatron_ext.methods.gnmr.algorithm import Metrics
 from megatron_ext.methods.gnmr.units import unit_layer
 
-RULES = ("gnmr", "first-last", "static-topk", "autoswitch")
+RULES = ("gnmr", "first-last", "static-topk", "static-topk-warm-high", "autoswitch")
 """``--gnmr-rule`` choices."""
 
 
@@ -110,13 +115,12 @@ class FirstLast:
 class StaticTopK:
     """``static-topk``: mean GNMR over the warm-up, then a fixed top-K."""
 
-    name = "static-topk"
-
-    def __init__(self, units: Sequence[str], k: int, warmup: int):
+    def __init__(self, units: Sequence[str], k: int, warmup: int, warm_high: bool = False):
+        self.name = "static-topk-warm-high" if warm_high else "static-topk"
         if warmup < 1:
-            raise ValueError("--gnmr-rule static-topk chooses after the warm-up stage: "
+            raise ValueError(f"--gnmr-rule {self.name} chooses after the warm-up stage: "
                              "--gnmr-warmup-frac must give at least one iteration")
-        self.k, self.warmup = k, warmup
+        self.k, self.warmup, self.warm_high = k, warmup, warm_high
         self.gnmr_sum = np.zeros(len(units))
         """Sum of each unit's GNMR over the warm-up steps observed."""
         self.observed = 0
@@ -125,7 +129,7 @@ class StaticTopK:
         """The fixed set (None until the warm-up has ended)."""
 
     def initial(self) -> np.ndarray:
-        return np.zeros(len(self.gnmr_sum), dtype=bool)
+        return np.full(len(self.gnmr_sum), self.warm_high)
 
     def decide(self, iteration: int, metrics: Metrics | None,
                stats: OperandStats | None) -> np.ndarray:
@@ -188,8 +192,8 @@ def make_rule(name: str, units: Sequence[str], k: int, warmup: int, underflow_pc
         return None
     if name == "first-last":
         return FirstLast(units, k, max(unit_layer(u) for u in units) + 1)
-    if name == "static-topk":
-        return StaticTopK(units, k, warmup)
+    if name in ("static-topk", "static-topk-warm-high"):
+        return StaticTopK(units, k, warmup, warm_high=name == "static-topk-warm-high")
     if name == "autoswitch":
         return Autoswitch(units, underflow_pct, mse)
     raise ValueError(f"--gnmr-rule must be one of {RULES}, got {name!r}")

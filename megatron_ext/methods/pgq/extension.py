@@ -10,8 +10,14 @@ phase follows every ``before_step`` and commits the recipe, so the very first st
 runs it; the profile's time is reported as ``pgq_profile_s`` in that step's metrics, outside
 ``step_time_s``. Nothing stays attached: every other step runs without overhead.
 
-The profile is checkpoint state (``pgq``: the step it was taken at): a resumed run keeps the
-checkpoint's recipe (the plan controller's base plan) and does not profile again. With
+With ``--pgq-profile-start N`` the first N steps train under the safe plan and the profile
+is taken before step N+1 (after the early transient: at random init every site looks alike).
+With ``--pgq-logits`` a recipe that quantizes a logits GEMM installs its formats on the
+output layer (:mod:`.logits`), next to the plan.
+
+The profile is checkpoint state (``pgq``: the step it was taken at, and the output layer's
+formats): a resumed run keeps the checkpoint's recipe (the plan controller's base plan, the
+logits formats) and does not profile again. With
 ``--pgq-profile FILE`` the recipe is made from a saved profile in ``make`` itself, so
 ``--dry-run`` sees it too and no profile is taken.
 
@@ -31,6 +37,7 @@ import torch.distributed as dist
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.io import write_json_atomic
+from megatron_ext.methods.pgq.logits import quantize_logits
 from megatron_ext.methods.pgq.observe import collect_profile
 from megatron_ext.methods.pgq.flags import (add_profile_arguments, add_recipe_arguments,
                                               candidates, recipe_config)
@@ -42,6 +49,7 @@ from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import Policy
+from megatron_ext.precision.site_formats import SiteFormats
 
 POLICY = "pgq"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -94,7 +102,10 @@ class PgqRun:
         self.candidates: dict = {}
         self.profiled_at: int | None = None
         """The step the profile was taken before (None: not yet)."""
+        self.logits: dict | None = None
+        """The output layer's formats (``SiteFormats.to_dict``), None: megatron's GEMM."""
         self._profile_s: float | None = None
+        self._logits_installed = False
 
     def validate(self, args) -> None:
         self.active = active(args)
@@ -102,19 +113,29 @@ class PgqRun:
             return
         if args.pgq_profile_steps < 1:
             raise UsageError(f"--pgq-profile-steps must be >= 1, got {args.pgq_profile_steps}")
+        if not 0 <= args.pgq_profile_start < args.train_iters:
+            raise UsageError(f"--pgq-profile-start must be in [0, --train-iters), got "
+                             f"{args.pgq_profile_start}")
         recipe_config(args)
         if args.pgq_profile is None:
             self.candidates = candidates(args)
 
     def after_setup(self, args, run, state) -> None:
         run.checkpointer.register(POLICY, self)
-        if args.pgq_profile and dist.get_rank() == 0:
+        if args.pgq_profile:
             recipe = saved_recipe(args)
-            write_recipe(recipe, os.path.join(args.run_dir, POLICY))
-            print(f"pgq: {summary(recipe)} (from '{args.pgq_profile}')", flush=True)
+            self.logits = None if recipe.logits is None else recipe.logits.to_dict()
+            if dist.get_rank() == 0:
+                write_recipe(recipe, os.path.join(args.run_dir, POLICY))
+                print(f"pgq: {summary(recipe)} (from '{args.pgq_profile}')", flush=True)
 
     def before_step(self, args, run, state) -> None:
         if args.pgq_profile or self.profiled_at is not None:
+            if self.logits is not None and not self._logits_installed:
+                quantize_logits(run.model, SiteFormats.from_dict(self.logits))
+                self._logits_installed = True
+            return
+        if state.iteration < args.pgq_profile_start:
             return
         start = time.perf_counter()
         profile = collect_profile(args, run, state, args.pgq_profile_steps, self.candidates)
@@ -125,11 +146,16 @@ class PgqRun:
             os.makedirs(out, exist_ok=True)
             write_json_atomic(os.path.join(out, "profile.json"), profile.to_dict())
             write_recipe(recipe, out)
-            payload[0] = recipe.plan.to_dict()
+            payload[0] = (recipe.plan.to_dict(),
+                          None if recipe.logits is None else recipe.logits.to_dict())
             print(f"pgq: profiled {len(profile.gemms)} GEMMs on {profile.steps} batch(es) in "
                   f"{time.perf_counter() - start:.1f} s; {summary(recipe)}; {out}", flush=True)
         dist.broadcast_object_list(payload, src=0)
-        self.controller.set_base(PrecisionPlan.from_dict(payload[0]))
+        plan, self.logits = payload[0]
+        self.controller.set_base(PrecisionPlan.from_dict(plan))
+        if self.logits is not None:
+            quantize_logits(run.model, SiteFormats.from_dict(self.logits))
+        self._logits_installed = True
         self.profiled_at = state.iteration
         self._profile_s = time.perf_counter() - start
 
@@ -140,10 +166,12 @@ class PgqRun:
         return {"pgq_profile_s": seconds}
 
     def state_dict(self) -> dict:
-        return {"profiled_at": self.profiled_at}
+        return {"profiled_at": self.profiled_at, "logits": self.logits}
 
     def load_state_dict(self, state: dict) -> None:
         self.profiled_at = state.get("profiled_at")
+        self.logits = state.get("logits")  # installed by the next before_step
+        self._logits_installed = False
 
 
 def describe(args) -> str:

@@ -8,7 +8,7 @@ import argparse
 import math
 
 from megatron_ext.errors import UsageError, finite_float
-from megatron_ext.methods.pgq.recipe import MODES, NO_ROOFLINE, RecipeConfig
+from megatron_ext.methods.pgq.recipe import FORWARD, MODES, NO_ROOFLINE, RecipeConfig
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 from megatron_ext.precision.cost import DEVICES
 from megatron_ext.precision.site_formats import SiteFormats
@@ -41,13 +41,24 @@ def add_recipe_arguments(group) -> None:
                        help="validation: a random recipe at the recipe's quantized FLOP "
                             "fraction")
     group.add_argument("--pgq-seed", type=int, default=0, help="seed of --pgq-random")
+    group.add_argument("--pgq-forward", choices=FORWARD, default=DEFAULT.forward,
+                       help="threshold: forward GEMMs decided by their SQNR like backward ones "
+                            "(default); all / none: every forward GEMM quantized / kept in "
+                            "every mode, the recipe, --pgq-adversarial and --pgq-random then "
+                            "choose among backward GEMMs only (the paper's validation)")
+    group.add_argument("--pgq-logits", action="store_true",
+                       help="make the logits GEMMs (output layer) quantizable like the linear "
+                            "sites' (default: profiled and reported only)")
 
 
 def add_profile_arguments(group) -> None:
     """Training's profile flags."""
     group.add_argument("--pgq-profile-steps", type=int, default=2, metavar="N",
-                       help="profile the first N batches before the first step (observed "
-                            "passes, no update), then switch to the recipe's plan")
+                       help="profile N batches (observed passes, no update) before step "
+                            "--pgq-profile-start, then switch to the recipe's plan")
+    group.add_argument("--pgq-profile-start", type=int, default=0, metavar="N",
+                       help="train N steps with nothing quantized (the safe plan) and profile "
+                            "before step N+1, after the early transient (default 0: at start)")
     group.add_argument("--pgq-candidates", default=",".join(CANDIDATES), metavar="C1,C2,...",
                        help="candidate formats to measure every operand's SQNR in")
     group.add_argument("--pgq-profile", default=None, metavar="PROFILE.json",
@@ -68,7 +79,8 @@ def recipe_config(args: argparse.Namespace) -> RecipeConfig:
         raise UsageError("--pgq-adversarial and --pgq-random exclude each other")
     mode = MODES[1] if args.pgq_adversarial else MODES[2] if args.pgq_random else MODES[0]
     return RecipeConfig(args.pgq_format, args.pgq_fwd_threshold, args.pgq_bwd_threshold,
-                        args.pgq_device, budget, mode, args.pgq_seed)
+                        args.pgq_device, budget, mode, args.pgq_seed, args.pgq_forward,
+                        args.pgq_logits)
 
 
 def candidates(args: argparse.Namespace) -> dict[str, SiteFormats]:

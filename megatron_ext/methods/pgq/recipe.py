@@ -25,6 +25,20 @@ FLOPs — the prefix of an order whose FLOPs come closest (ties: the shorter one
 * ``adversarial`` — the order reversed: lowest margin first;
 * ``random`` — a seeded random order (``--pgq-seed``).
 
+**Direction-stratified** (``--pgq-forward all|none``, the paper's §II-D validation: its
+adversarial recipe keeps every forward op quantized and reverses only the backward
+decision). Every eligible forward GEMM is then quantized (``all``) or kept (``none``) in
+*every* mode, and the thresholds, the budget bisection and the validation orders act on the
+backward GEMMs only; the budget still counts all FLOPs (the forward share included), so the
+three modes differ only in *which* backward GEMMs they quantize, at matched FLOPs.
+``threshold`` (the default) treats both directions alike, as above.
+
+**The logits GEMM** (``--pgq-logits``): its three GEMMs join the eligible ones (margins from
+their own SQNRs — ``logits.dgrad``'s ``dy`` is the paper's decisive operand — FLOPs
+``2·tokens·V·H`` each, counted in the total the budget and fractions refer to); the recipe
+then carries the output layer's formats (``logits``), which training installs on megatron's
+output layer (:func:`megatron_ext.methods.pgq.logits.quantize_logits`).
+
 **The plan.** A quantized GEMM reads both operands in the candidate's role formats; every
 other operand passes through (``none``: the run's own precision). A role gets the candidate's
 format where both GEMMs reading it are quantized and ``none`` where neither is; a role read
@@ -38,7 +52,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from megatron_ext.methods.pgq.profile import EMBEDDING, GemmProfile, Profile
+from megatron_ext.methods.pgq.profile import EMBEDDING, LOGITS, GemmProfile, Profile
 from megatron_ext.precision.cost import DEVICES, Device, flop_report, site_cost
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
@@ -46,6 +60,9 @@ from megatron_ext.sites import GEMM_ROLES, ROLES, parse_site_id
 
 MODES = ("recipe", "adversarial", "random")
 """``recipe``: the SQNR thresholds; the two validation recipes of the module docstring."""
+FORWARD = ("threshold", "all", "none")
+"""``--pgq-forward``: forward GEMMs decided like backward ones, or all quantized / all kept
+(direction-stratified: the modes choose among backward GEMMs only)."""
 NO_ROOFLINE = "none"
 """``--pgq-device none``: every GEMM is eligible."""
 
@@ -68,6 +85,10 @@ class RecipeConfig:
     """One of :data:`MODES`."""
     seed: int = 0
     """Seed of the random recipe."""
+    forward: str = "threshold"
+    """One of :data:`FORWARD`."""
+    logits: bool = False
+    """The logits GEMMs are quantizable (else reported only)."""
 
     def threshold(self, direction: str) -> float:
         return self.fwd_threshold if direction == "forward" else self.bwd_threshold
@@ -80,7 +101,7 @@ class Decision:
     name: str
     """``<site>.<gemm>``."""
     linear: bool
-    """A linear site's GEMM (else the embedding or logits GEMM: reported only)."""
+    """A linear site's GEMM (else the embedding or logits GEMM)."""
     direction: str
     """``forward`` or ``backward``."""
     min_sqnr: float
@@ -114,11 +135,14 @@ class Recipe:
     plan: PrecisionPlan
     """The quantized GEMMs as per-site formats."""
     fraction: float
-    """Quantized fraction of the linear-layer FLOPs (the cost model's)."""
+    """Quantized fraction of the linear-layer FLOPs (the cost model's; with ``--pgq-logits``
+    of the linear plus logits FLOPs)."""
     target: float | None
     """The fraction aimed at: the budget, or (validation recipes) the SQNR recipe's."""
     time_vs_bf16: float
     """Estimated linear-GEMM time relative to all-BF16 (the cost model's)."""
+    logits: SiteFormats | None = None
+    """The output layer's formats (``--pgq-logits`` with a logits GEMM quantized), else None."""
 
 
 def sqnr_text(ratio: float) -> str:
@@ -157,60 +181,86 @@ def _closest_prefix(order: list[str], flops: dict, target: float) -> set[str]:
     return set(order[:best_k])
 
 
+def _quantizable(g: GemmProfile, cfg: RecipeConfig) -> bool:
+    """A GEMM a plan (or, with ``--pgq-logits``, the output layer) can quantize."""
+    return g.linear or (cfg.logits and g.site == LOGITS)
+
+
+def gemm_flops(profile: Profile, cfg: RecipeConfig) -> dict[str, float]:
+    """FLOPs per step of every quantizable GEMM: the cost model's for linear sites, the
+    profile's ``2·tokens·V·H`` for the logits GEMMs."""
+    shape = profile.shape()
+    return {g.name: (site_cost(shape, parse_site_id(g.site)[1], SiteFormats()).gemm_flops
+                     if g.linear else g.flops)
+            for g in profile.gemms if _quantizable(g, cfg)}
+
+
 def choose(profile: Profile, cfg: RecipeConfig) -> tuple[set[str], float, set[str], float]:
     """(quantized GEMM names, threshold factor, eligible names, target fraction) of ``cfg``;
     the target is the budget, or for a validation recipe the SQNR recipe's fraction."""
     device = None if cfg.device == NO_ROOFLINE else DEVICES[cfg.device]
-    shape = profile.shape()
-    linear = [g for g in profile.gemms if g.linear]
-    margin = {g.name: g.min_sqnr(cfg.format)[0] / cfg.threshold(g.direction) for g in linear}
-    flops = {g.name: site_cost(shape, parse_site_id(g.site)[1], SiteFormats()).gemm_flops
-             for g in linear}
+    flops = gemm_flops(profile, cfg)
+    pool = [g for g in profile.gemms if g.name in flops]
+    margin = {g.name: g.min_sqnr(cfg.format)[0] / cfg.threshold(g.direction) for g in pool}
     total = sum(flops.values())
-    eligible = [g for g in linear if device is None or g.intensity >= device.ridge]
+    eligible = [g for g in pool if device is None or g.intensity >= device.ridge]
     names = {g.name for g in eligible}
+    fixed = set()
+    if cfg.forward != "threshold":  # stratified: forward fixed, the modes choose backward
+        forward = {g.name for g in eligible if g.direction == "forward"}
+        fixed = forward if cfg.forward == "all" else set()
+        eligible = [g for g in eligible if g.name not in forward]
     if cfg.budget is None:
         scale, chosen = 1.0, {g.name for g in eligible if margin[g.name] >= 1}
     else:
-        scale, chosen = _bisect(eligible, margin, flops, total, cfg.budget)
+        rest = cfg.budget - sum(flops[n] for n in fixed) / total
+        scale, chosen = _bisect(eligible, margin, flops, total, rest)
     if cfg.mode == "recipe":
-        return chosen, scale, names, cfg.budget
+        return chosen | fixed, scale, names, cfg.budget
     target = sum(flops[n] for n in chosen)
-    order = sorted(names, key=lambda n: (margin[n], n))
+    order = sorted((g.name for g in eligible), key=lambda n: (margin[n], n))
     if cfg.mode == "random":
         random.Random(cfg.seed).shuffle(order)
-    return _closest_prefix(order, flops, target), scale, names, target / total
+    picked = _closest_prefix(order, flops, target) | fixed
+    return picked, scale, names, sum(flops[n] for n in chosen | fixed) / total
 
 
 def plan_of(quantized: set[str], candidate: SiteFormats, sites: list[str], method: str,
             step: int, budget: float | None) -> PrecisionPlan:
     """The PrecisionPlan running exactly the ``quantized`` GEMMs in ``candidate``."""
-    out = {}
-    for site in sites:
-        on = {g for g in GEMM_ROLES if f"{site}.{g}" in quantized}
-        if not on:
-            continue
-        roles, overrides = {}, []
-        for role in ROLES:
-            readers = [g for g, rs in GEMM_ROLES.items() if role in rs]
-            both = all(g in on for g in readers)
-            roles[role] = getattr(candidate, role) if both else PASSTHROUGH
-            if not both:
-                overrides += [(f"{g}.{role}", candidate.operand(g, role))
-                              for g in readers if g in on]
-        out[site] = SiteFormats(**roles, overrides=tuple(overrides))
-    return PrecisionPlan(out, method=method, step=step, budget=budget)
+    out = {site: site_formats(quantized, candidate, site) for site in sites}
+    return PrecisionPlan({s: f for s, f in out.items() if f is not None}, method=method,
+                         step=step, budget=budget)
+
+
+def site_formats(quantized: set[str], candidate: SiteFormats, site: str) -> SiteFormats | None:
+    """The formats running exactly ``site``'s GEMMs in ``quantized`` in ``candidate`` (the
+    rest passthrough); None if none of them is."""
+    on = {g for g in GEMM_ROLES if f"{site}.{g}" in quantized}
+    if not on:
+        return None
+    roles, overrides = {}, []
+    for role in ROLES:
+        readers = [g for g, rs in GEMM_ROLES.items() if role in rs]
+        both = all(g in on for g in readers)
+        roles[role] = getattr(candidate, role) if both else PASSTHROUGH
+        if not both:
+            overrides += [(f"{g}.{role}", candidate.operand(g, role))
+                          for g in readers if g in on]
+    return SiteFormats(**roles, overrides=tuple(overrides))
 
 
 def _reason(g: GemmProfile, cfg: RecipeConfig, device, eligible: bool, quantized: bool,
             sqnr: float, worst: str, threshold: float) -> str:
     passes = sqnr >= threshold
     test = f"min SQNR {sqnr_text(sqnr)} of {worst} {'>=' if passes else '<'} {threshold:.3g}"
-    if not g.linear:
+    if not _quantizable(g, cfg):
         what = "embedding lookup" if g.site == EMBEDDING else "output layer"
         return f"reported only ({what}: not in a plan); {test}"
     if not eligible:
         return f"memory-bound: intensity {g.intensity:.0f} < ridge {device.ridge:.0f} FLOP/B"
+    if cfg.forward != "threshold" and g.direction == "forward":
+        return f"forward {'quantized' if quantized else 'kept'} (--pgq-forward {cfg.forward})"
     if cfg.mode == "recipe":
         return ("quantized: " if quantized else "kept: ") + test
     how = "lowest margins first" if cfg.mode == "adversarial" else f"seed {cfg.seed}"
@@ -235,8 +285,15 @@ def make_recipe(profile: Profile, cfg: RecipeConfig) -> Recipe:
                     threshold)))
     sites = list(dict.fromkeys(g.site for g in profile.gemms if g.linear))
     method = "pgq" if cfg.mode == "recipe" else f"pgq:{cfg.mode}"
-    plan = plan_of(quantized, SiteFormats.from_dict(profile.candidates[cfg.format]), sites,
-                   method, profile.step, cfg.budget)
+    candidate = SiteFormats.from_dict(profile.candidates[cfg.format])
+    plan = plan_of(quantized, candidate, sites, method, profile.step, cfg.budget)
     report = flop_report(plan.formats, profile.shape())
-    return Recipe(cfg, device, scale, tuple(decisions), plan, 1 - report.fractions["bf16"],
-                  target, report.time_vs_bf16)
+    fraction = 1 - report.fractions["bf16"]
+    if cfg.logits:  # the linear fraction re-weighted by the linear + logits FLOPs
+        flops = gemm_flops(profile, cfg)
+        head = {n: f for n, f in flops.items() if n.startswith(f"{LOGITS}.")}
+        linear = sum(flops.values()) - sum(head.values())
+        fraction = (fraction * linear + sum(f for n, f in head.items() if n in quantized)) \
+            / (linear + sum(head.values()))
+    return Recipe(cfg, device, scale, tuple(decisions), plan, fraction, target,
+                  report.time_vs_bf16, site_formats(quantized, candidate, LOGITS))

@@ -40,11 +40,19 @@ def summary(recipe: Recipe) -> str:
     short = budget is not None and recipe.config.mode == "recipe" \
         and recipe.fraction < budget - 1e-9
     reach = f" [budget {budget:g} out of reach: every compute-bound GEMM]" if short else ""
+    fwd = sum(d.quantized for d in rows if d.direction == "forward")
+    head = [d.name.split(".")[1] for d in recipe.decisions if d.quantized and not d.linear]
+    logits = f", logits {'+'.join(head) or 'none'}" if recipe.config.logits else ""
     return (f"{recipe.plan.method} ({_condition(recipe)}; {roof}){reach}: "
             f"{sum(d.quantized for d in rows)} of {len(rows)} linear GEMMs quantized "
-            f"({sum(d.eligible for d in rows)} compute-bound), "
-            f"{100 * recipe.fraction:.1f}% of linear FLOPs, "
+            f"({fwd} fwd / {sum(d.quantized for d in rows) - fwd} bwd; "
+            f"{sum(d.eligible for d in rows)} compute-bound){logits}, "
+            f"{100 * recipe.fraction:.1f}% of {_flops_of(recipe)} FLOPs, "
             f"est. GEMM time {recipe.time_vs_bf16:.2f}x BF16")
+
+
+def _flops_of(recipe: Recipe) -> str:
+    return "linear + logits" if recipe.config.logits else "linear"
 
 
 def recipe_json(recipe: Recipe) -> dict:
@@ -61,6 +69,7 @@ def recipe_json(recipe: Recipe) -> dict:
                            "backward": _finite(cfg.bwd_threshold * recipe.scale)},
             "fraction": recipe.fraction, "target": recipe.target,
             "time_vs_bf16": recipe.time_vs_bf16, "summary": summary(recipe),
+            "logits": None if recipe.logits is None else recipe.logits.to_dict(),
             "plan_hash": recipe.plan.hash, "gemms": rows}
 
 
@@ -75,7 +84,8 @@ def recipe_markdown(recipe: Recipe) -> str:
              f"{cfg.fwd_threshold:g}, backward {cfg.bwd_threshold:g}, scaled by "
              f"{_finite(recipe.scale) or 'inf'}",
              f"* roofline: {device}",
-             f"* quantized: {100 * recipe.fraction:.1f}% of linear FLOPs{target}; est. linear "
+             f"* quantized: {100 * recipe.fraction:.1f}% of {_flops_of(recipe)} FLOPs{target}; "
+             "est. linear "
              f"GEMM time {recipe.time_vs_bf16:.2f}x BF16", f"* {summary(recipe)}", "",
              "| GEMM | dir | min SQNR | operand | threshold | intensity | decision | reason |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

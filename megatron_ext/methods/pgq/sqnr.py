@@ -54,11 +54,13 @@ CANDIDATES = {
     "mxfp4": SiteFormats("mxfp4", "mxfp4", "mxfp4+sr"),
     "fp4": UNIFORM["fp4"],
     "fp4-tensor": UNIFORM["fp4-tensor"],
+    "fp4-tensor-sr": SiteFormats("fp4_e2m1", "fp4_e2m1", "fp4_e2m1+sr"),
 }
 """Candidate name -> role formats: int8 per channel with SR on ``dy`` (the paper's),
 DeepSeek-V3's FP8 (``uniform:fp8``), MXFP8, NVFP4 and MXFP4 (SR on ``dy``), the
 project's FP4 (``uniform:fp4``) and the comparison regime's per-tensor FP4
-(``uniform:fp4-tensor``)."""
+(``uniform:fp4-tensor``), also with SR on ``dy`` (``fp4-tensor-sr``: the paper rounds
+gradients stochastically)."""
 
 TRANSPOSED = frozenset({("dgrad", "w"), ("wgrad", "dy"), ("wgrad", "x")})
 """Linear-site operands whose reduction axis is the *first* dimension of the tensor as the

@@ -129,10 +129,16 @@ class QuantizedAdamW(torch.optim.Optimizer):
         return {"exp_avg": dequantize(state["exp_avg"]).view_as(p),
                 "exp_avg_sq": dequantize(state["exp_avg_sq"]).view_as(p), "step": state["step"]}
 
-    def state_nbytes(self, p: torch.Tensor) -> int:
-        """Bytes ``p``'s moments occupy (codes + scales, or the float32 tensors)."""
+    def state_nbytes(self, p: torch.Tensor) -> tuple[int, int]:
+        """Bytes ``p``'s moments occupy: (codes — or the float32 tensors —, scales)."""
         state = self.state.get(p)
         if not state:
-            return 0
-        return sum(q.nbytes() if isinstance(q, QState) else q.numel() * q.element_size()
-                   for q in (state["exp_avg"], state["exp_avg_sq"]))
+            return 0, 0
+        codes = scales = 0
+        for q in (state["exp_avg"], state["exp_avg_sq"]):
+            if isinstance(q, QState):
+                codes += q.codes.numel() * q.codes.element_size()
+                scales += q.nbytes() - q.codes.numel() * q.codes.element_size()
+            else:
+                codes += q.numel() * q.element_size()
+        return codes, scales

@@ -38,6 +38,17 @@ from megatron_ext.training.distributed import device, gather_objects
 from megatron_ext.training.optimizer import MainParam, main_params
 
 
+PARTS = ("blocks", "embed")
+"""How the per-part metrics split the model: the transformer blocks (and the final norm), and
+the embedding / output layer (their share of a small model's parameters dominates its
+average; the paper's models are mostly blocks)."""
+
+
+def part_of(name: str) -> str:
+    """The :data:`PARTS` entry of a layer name."""
+    return "embed" if name.startswith(("embedding.", "output_layer.")) else "blocks"
+
+
 @dataclass(frozen=True)
 class ParamEntry:
     """One parameter this rank holds optimizer state for."""
@@ -116,6 +127,11 @@ class Allocator:
         """Optimizer steps taken (``t`` of Algorithm 1)."""
         self.updated_at = 0
         """The last step whose statistics updated the widths."""
+        self.part_sums: torch.Tensor | None = None
+        """Per part (:data:`PARTS`): parameters, bit-elements, code and scale bytes, summed
+        over the :meth:`metrics` calls (their time average's numerator)."""
+        self.part_calls = 0
+        """:meth:`metrics` calls summed into ``part_sums``."""
 
     def widths(self) -> list[int]:
         return self.fixed if self.engine is None else self.engine.bits
@@ -139,33 +155,57 @@ class Allocator:
         self.updated_at = self.step
 
     def metrics(self) -> dict:
-        """Measured state bytes per parameter and the average width (collective)."""
-        totals = torch.zeros(4, dtype=torch.float64, device=device())
+        """Measured state bytes per parameter and the average width, model-wide, and per part
+        (:data:`PARTS`) bits, code bytes and scale bytes per parameter, now and averaged over
+        the calls so far (collective)."""
+        totals = torch.zeros(4 + 4 * len(PARTS), dtype=torch.float64, device=device())
         widths = self.widths()
         for e in self.entries:
             if not e.owner:
                 continue
             numel = e.param.main.numel()
-            totals[0] += e.param.sub.optimizer.state_nbytes(e.param.main)
-            totals[1] += numel
+            codes, scales = e.param.sub.optimizer.state_nbytes(e.param.main)
+            bits = 32 if e.layer is None else widths[e.layer]
+            totals[:2] += torch.tensor([codes + scales, numel], dtype=torch.float64)
             if e.layer is not None:
-                totals[2] += numel * widths[e.layer]
+                totals[2] += numel * bits
                 totals[3] += numel
+            at = 4 + 4 * PARTS.index(part_of(e.name))
+            totals[at:at + 4] += torch.tensor([numel, numel * bits, codes, scales],
+                                              dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(totals)
-        nbytes, numel, bit_elems, quantized = totals.tolist()
-        return {"stquant_state_bytes_per_param": nbytes / max(numel, 1),
-                "stquant_avg_bits": bit_elems / max(quantized, 1),
-                "stquant_quantized_fraction": quantized / max(numel, 1)}
+        totals = totals.cpu()
+        self.part_sums = totals[4:] + (0 if self.part_sums is None else self.part_sums)
+        self.part_calls += 1
+        nbytes, numel, bit_elems, quantized = totals[:4].tolist()
+        out = {"stquant_state_bytes_per_param": nbytes / max(numel, 1),
+               "stquant_avg_bits": bit_elems / max(quantized, 1),
+               "stquant_quantized_fraction": quantized / max(numel, 1)}
+        for i, part in enumerate(PARTS):
+            now = totals[4 + 4 * i: 8 + 4 * i].tolist()
+            mean = (self.part_sums[4 * i: 4 * i + 4] / self.part_calls).tolist()
+            out[f"stquant_params/{part}"] = now[0]
+            for suffix, values in (("", now), ("_avg", mean)):
+                n = max(values[0], 1)
+                out[f"stquant_bits{suffix}/{part}"] = values[1] / n
+                out[f"stquant_code_bytes{suffix}/{part}"] = values[2] / n
+                out[f"stquant_scale_bytes{suffix}/{part}"] = values[3] / n
+        return out
 
     def state_dict(self) -> dict:
         return {"step": self.step, "updated_at": self.updated_at, "layers": list(self.layers),
-                "engine": None if self.engine is None else self.engine.state_dict()}
+                "engine": None if self.engine is None else self.engine.state_dict(),
+                "part_sums": None if self.part_sums is None else self.part_sums.tolist(),
+                "part_calls": self.part_calls}
 
     def load_state_dict(self, state: dict) -> None:
         if state["layers"] != self.layers:
             raise UsageError("--load: the checkpoint's STQuant layers differ from this run's "
                              "(another model or --stquant-min-numel)")
         self.step, self.updated_at = state["step"], state["updated_at"]
+        sums = state.get("part_sums")
+        self.part_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
+        self.part_calls = state.get("part_calls", 0)
         if self.engine is not None and state["engine"] is not None:
             self.engine.load_state_dict(state["engine"])

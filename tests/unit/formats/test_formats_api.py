@@ -176,3 +176,21 @@ def test_a_shard_given_the_whole_tensors_amax_is_quantized_as_the_whole(name, ax
     own = torch.cat([fake_quant(h, name, axis=1) for h in halves], axis)
     if get_format(name).scaling.rows is None:  # one scale per tensor: the split shows
         assert not torch.equal(own, whole)
+
+
+def test_col_scaling_is_one_scale_per_index_of_the_axis():
+    """``@col`` along an axis = each slice at one index of that axis quantized with its own
+    tensor scale (here: x (T, K) quantized along T, as wgrad does, gets one scale per token)."""
+    import torch
+
+    from megatron_ext.formats import fake_quant, get_format, quantize
+
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(0)) \
+        * torch.logspace(-3, 3, 7).unsqueeze(1)  # tokens of very different magnitude
+    per_token = fake_quant(x.t(), "fp4_e2m1@col", axis=-1).t()
+    reference = torch.stack([fake_quant(row, "fp4_e2m1") for row in x])
+    assert torch.equal(per_token, reference)
+    assert not torch.equal(per_token, fake_quant(x.t(), "fp4_e2m1@row", axis=-1).t())
+    assert get_format("fp8_e4m3@col").name == "fp8_e4m3@col"
+    with pytest.raises(ValueError, match="no packed storage"):
+        quantize(x, "fp4_e2m1@col")

@@ -151,3 +151,16 @@ def test_bf16_operands_give_bf16_outputs():
     assert {t.dtype for t in got} == {torch.bfloat16}
     for g, r in zip(got, _reference(x, w, b, dy, UNIFORM["fp8"])):  # BF16 output rounding
         torch.testing.assert_close(g.double(), r, rtol=1e-2, atol=1e-2 * r.abs().max().item())
+
+
+def test_wgrad_x_per_token_touches_only_the_weight_gradient():
+    """``uniform:wgrad-x4-token`` (GNMR §5.1): y and dx exact, dw = dy.T @ q(x) in float64
+    with q = E2M1 with its own scale per token (each row of x quantized on its own)."""
+    x, w, b, dy = _tensors()
+    y, gx, gw, _ = _run(x, w, b, dy, UNIFORM["wgrad-x4-token"])
+    ref_y, ref_gx, _, _ = _run(x, w, b, dy, SiteFormats())
+    assert torch.equal(y, ref_y) and torch.equal(gx, ref_gx)
+    x2 = x.reshape(-1, K)
+    qx = torch.stack([fake_quant(row, "fp4_e2m1") for row in x2]).double()
+    expected = dy.reshape(-1, N).double().t() @ qx
+    _close(gw, expected, "wgrad")

@@ -26,7 +26,7 @@ def _weight(shape=(100, 70), **kw):
 
 
 def test_eq9_starts_at_b_init_and_chains_the_gradient():
-    mod = _weight(b_init=6.0, b_target=4.0)
+    mod = _weight(b_init=6.0, b_target_decay=4.0)
     assert mod.b_i.shape == (4, 3) and torch.equal(mod.bits(), torch.full((4, 3), 6.0))
     w = torch.randn(100, 70)
     g = torch.randn(100, 70)
@@ -37,10 +37,18 @@ def test_eq9_starts_at_b_init_and_chains_the_gradient():
     assert torch.equal(mod.b_i.grad, bits.grad * 2.0)  # ∂b_t/∂b_i = b_init - b_target
 
 
+def test_default_decay_target_is_zero_bits():
+    """The OPT2 setting: eq. 9 with b_target 0, so b_t = 6 · b_i and decay pulls b_t to 0."""
+    mod = _weight()
+    with torch.no_grad():
+        mod.b_i.fill_(0.5)
+    assert torch.equal(mod.bits(), torch.full((4, 3), 3.0))
+
+
 def test_decaying_b_i_moves_b_t_to_b_target():
     """Decoupled weight decay multiplies b_i by (1 - lr·wd) per step (a torch optimizer's
     first step costs seconds of imports here, so the update is applied by hand)."""
-    mod = _weight(b_init=6.0, b_target=4.0)
+    mod = _weight(b_init=6.0, b_target_decay=4.0)
     with torch.no_grad():
         mod.b_i.mul_((1 - 0.1 * 0.5) ** 3)
     assert (mod.bits() - (4.0 + 0.95**3 * 2.0)).abs().max() < 1e-6
@@ -50,7 +58,7 @@ def test_decaying_b_i_moves_b_t_to_b_target():
 
 
 def test_eq6_clamp_stops_the_gradient_above_the_bound():
-    mod = _weight(b_init=6.0, b_target=4.0)
+    mod = _weight(b_init=6.0, b_target_decay=4.0)
     with torch.no_grad():
         mod.b_i[0, 0] = 0.0  # b_t = 4, under the bound
     assert torch.equal(mod.bits(max_bits=5).unique(), torch.tensor([4.0, 5.0]))
@@ -78,11 +86,15 @@ def test_sites_and_flags():
             parse_sites(bad)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    flags = ["--gaussws", "od", "--gaussws-lambda", "1e-4"]
-    cfg = GaussWSConfig.from_args(parser.parse_args(flags))
-    assert cfg == GaussWSConfig(("proj", "fc2"), 6.0, 4.0, 1e-4, 32) and cfg.enabled
+    cfg = GaussWSConfig.from_args(parser.parse_args(["--gaussws", "od"]))
+    # the paper's OPT2 setting (§4.1): b_target 0 for weight decay, 4 for the loss, λ 1e-4
+    assert cfg == GaussWSConfig(("proj", "fc2"), 6.0, 0.0, 4.0, 1e-4, 32) and cfg.enabled
+    flags = ["--gaussws", "od", "--gaussws-b-target-decay", "4", "--gaussws-b-target-loss",
+             "3", "--gaussws-lambda", "0"]
+    assert GaussWSConfig.from_args(parser.parse_args(flags)) == GaussWSConfig(
+        ("proj", "fc2"), 6.0, 4.0, 3.0, 0.0, 32)
     assert not GaussWSConfig.from_args(parser.parse_args([])).enabled
-    for kw in ({"b_init": 4.0}, {"block": 0}, {"lam": -1.0}):
+    for kw in ({"b_init": 0.0}, {"block": 0}, {"lam": -1.0}):
         with pytest.raises(UsageError):
             GaussWSConfig(("fc2",), **kw)
 

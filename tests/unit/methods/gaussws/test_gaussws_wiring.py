@@ -26,7 +26,9 @@ def test_eq6_bound_follows_the_weight_formats(formats, dtype, bound):
 
 
 def test_eq10_gradient_reaches_the_buffers():
-    config = GaussWSConfig(("proj", "fc2"), b_init=6.0, b_target=4.0, lam=0.5)
+    # eq. 9's target (2) differs from eq. 10's (4): the loss must pull towards 4
+    config = GaussWSConfig(("proj", "fc2"), b_init=6.0, b_target_decay=2.0, b_target_loss=4.0,
+                           lam=0.5)
     run = GaussWSRun(PlanController())
     run.config, run.sampled = config, SampledSites(config, seed=1)
     shapes = {"L0.proj": (64, 64), "L0.fc2": (64, 96)}
@@ -41,9 +43,10 @@ def test_eq10_gradient_reaches_the_buffers():
     run._add_bitwidth_loss_grad(SimpleNamespace(get_loss_scale=lambda: torch.tensor(2.0)))
     for sid in shapes:
         b_i = run.sampled.modules[sid].gaussws.b_i.detach().double()
-        b_t = 4.0 + 2.0 * b_i
-        # d/db_i of λ/n |min(b_t, 5) - 4|, times the loss scale 2; 0 above the eq. 6 clamp
-        expected = 2.0 * 0.5 / 100 * torch.sign(b_t - 4.0) * 2.0 * (b_t < 5.0)
+        b_t = 2.0 + 4.0 * b_i
+        # d/db_i of λ/n |min(b_t, 5) - 4| (∂b_t/∂b_i = 4), times the loss scale 2; 0 above
+        # the eq. 6 clamp
+        expected = 2.0 * 0.5 / 100 * torch.sign(b_t - 4.0) * 4.0 * (b_t < 5.0)
         got = run.sampled.modules[sid].gaussws.b_i.main_grad.double()
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 

@@ -199,3 +199,20 @@ def test_parse_max_promoted_rejects(text):
 def test_config_rejects(change, flag):
     with pytest.raises(ValueError, match=f"--gnmr-{flag}"):
         GnmrConfig(**change)
+
+
+def test_exceedance_counts_apart_from_held_unit_steps():
+    """Norms 1,1,1,2,1,1 on one unit with lock 3: GNMR crosses 1.5 once (step 4) — one
+    exceeding unit-step — while the lock holds the unit high for 3 (steps 5-7, of which
+    5 and 6 are decided by step 6). The same count under a baseline rule (first-last holds
+    the unit every step), and it survives a state round trip."""
+    ctl, out = run(GnmrConfig(lock=3, **GNMR_ONLY), [1, 1, 1, 2, 1, 1])
+    assert [d.metrics()["gnmr_exceed_alpha"] for d in out] == [0, 0, 0, 1, 1, 1]
+    assert out[-1].metrics()["gnmr_exceed_beta"] == 0
+    assert out[-1].metrics()["gnmr_unit_steps_high"] == 2
+    rule, rule_out = run(GnmrConfig(rule="first-last", topk=1, **GNMR_ONLY), [1, 1, 1, 2, 1, 1])
+    assert rule_out[-1].metrics()["gnmr_exceed_alpha"] == 1
+    assert rule_out[-1].metrics()["gnmr_unit_steps_high"] == 6
+    again = GnmrController.create(GnmrConfig(lock=3, **GNMR_ONLY), ["L0"], 100)
+    again.load_state_dict(json.loads(json.dumps(ctl.state_dict())))
+    assert again.step(7, [5.0]).metrics()["gnmr_exceed_alpha"] == 2

@@ -75,3 +75,12 @@ def test_overlay_holds_only_changed_sites():
     assert all(f == FP8 for f in overlay.values())
     assert promotion_overlay(base, ["L0.fc2"], "bf16") == {"L0.fc2": BF16}
     assert promotion_overlay(base, ["L1.proj"], "auto") == {}
+
+
+def test_auto_keeps_a_per_token_operand_per_token():
+    """GNMR §5.1: wgrad's saved activation in 4 bits per token is promoted to 8 bits per
+    token (not to uniform:fp8's tiles along T); the passthrough operands stay."""
+    lifted = promoted_formats(UNIFORM["wgrad-x4-token"], "auto")
+    assert lifted == UNIFORM["wgrad-x8-token"]
+    assert promoted_formats(lifted, "auto") == SiteFormats(
+        "none", "none", "none", overrides=(("wgrad.x", "bf16"),))

@@ -74,6 +74,22 @@ def test_static_topk_picks_the_largest_mean_gnmr_of_the_warmup():
     assert out[8].trace["units"]["L0"]["gnmr"] > 10  # the spike, ignored
 
 
+def test_static_topk_warm_high_runs_every_unit_high_through_the_warmup():
+    """App. E.3: the same choice as static-topk, but all units high before it (from step 1
+    through the warm-up's last step 4), and those unit-steps counted: 5 units x 4 steps,
+    then 2 units x 8 steps (5..12)."""
+    rng = np.random.default_rng(3)
+    norms = rng.uniform(0.5, 2.0, size=(12, 5))
+    plain = GnmrConfig(rule="static-topk", topk=2, warmup_frac=0.1)
+    warm = GnmrConfig(rule="static-topk-warm-high", topk=2, warmup_frac=0.1)
+    _, base = run(plain, norms, unit_ids(5, "block"), total=40)
+    ctl = GnmrController.create(warm, unit_ids(5, "block"), 40)
+    assert ctl.promoted == tuple(unit_ids(5, "block"))  # before step 1
+    _, out = run(warm, norms, unit_ids(5, "block"), total=40)
+    assert [high(d) for d in out] == ["HHHHH"] * 3 + [high(d) for d in base[3:]]
+    assert out[-1].metrics()["gnmr_unit_steps_high"] == 5 * 4 + 2 * 8
+
+
 def test_static_topk_ties_go_deeper_and_zero_warmup_is_refused():
     _, out = run(GnmrConfig(rule="static-topk", topk=1, warmup_frac=0.1), np.ones((5, 4)),
                  total=20)

@@ -94,6 +94,7 @@ def _validate(flags: list[str]) -> None:
     (["--pgq-format", "nvfp4"], "--pgq-format 'nvfp4' is not among --pgq-candidates"),
     (["--pgq-bwd-threshold", "-1"], "--pgq-bwd-threshold must be a positive SQNR ratio"),
     (["--pgq-adversarial", "--pgq-random"], "exclude each other"),
+    (["--pgq-profile-start", "2"], "--pgq-profile-start must be in [0, --train-iters)"),
 ])
 def test_bad_pgq_flags_are_usage_errors(flags, message):
     from megatron_ext.errors import UsageError
@@ -109,3 +110,34 @@ def test_bad_pgq_flag_through_the_entry_point_is_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --precision: cannot read 'missing.json': No such " \
                                   "file or directory"
+
+
+# every forward GEMM quantized (fprop margins >> 1e-9), no backward one (<< 1e9): with
+# --pgq-logits the output layer's fprop joins them, without it only the linear sites'
+LATE = ["--precision", "pgq", "--pgq-device", "none", "--pgq-candidates", "fp4-tensor",
+        "--pgq-format", "fp4-tensor", "--pgq-fwd-threshold", "1e-9", "--pgq-bwd-threshold",
+        "1e9", "--pgq-profile-start", "1", "--pgq-profile-steps", "1"]
+
+
+def test_late_profile_and_quantized_logits(tmp_path):
+    """Step 1 runs the safe plan (the plain run's loss), the profile is taken before step 2,
+    and the quantized output layer changes step 2's loss against the same linear plan
+    without it; a resume after step 2 keeps the logits formats (step 3 bit for bit)."""
+    base = [*FAST_ARGS, *LATE, "--train-iters", "3", "--no-save"]
+    plain, linear, logits = (tmp_path / n for n in ("plain", "linear", "logits"))
+    launch([*FAST_ARGS, "--train-iters", "3", "--no-save", "--run-dir", str(plain)])
+    launch([*base, "--run-dir", str(linear)])
+    launch([*base, "--pgq-logits", "--run-dir", str(logits)])
+    assert load_profile(str(logits / "pgq" / "profile.json")).step == 1
+    written = json.loads((logits / "pgq" / "recipe.json").read_text())
+    assert written["logits"] == {"x": "none", "w": "none", "dy": "none", "overrides": {
+        "fprop.x": "fp4_e2m1", "fprop.w": "fp4_e2m1"}}
+    assert json.loads((linear / "pgq" / "recipe.json").read_text())["logits"] is None
+    a, b = train_losses(linear), train_losses(logits)
+    assert a[1] == b[1] == train_losses(plain)[1]
+    assert a[2] != b[2] and a[3] != b[3]
+    ckpt = str(tmp_path / "ckpt")
+    args = [*FAST_ARGS, *LATE, "--train-iters", "3", "--pgq-logits"]
+    launch([*args, "--save", ckpt, "--exit-interval", "2", "--run-dir", str(tmp_path / "c")])
+    launch([*args, "--load", ckpt, "--no-save", "--run-dir", str(tmp_path / "d")])
+    assert train_losses(tmp_path / "d") == {3: b[3]}

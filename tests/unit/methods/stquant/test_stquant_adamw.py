@@ -129,13 +129,13 @@ def test_width_changes_between_steps_and_bytes_follow():
                          **HYPER)
     backward(params, x, y)
     opt.step()
-    assert opt.state_nbytes(params[0]) == 2 * (8192 * 2 + 128 * 4)
+    assert opt.state_nbytes(params[0]) == (2 * 8192 * 2, 2 * 128 * 4)  # codes, scales
     widths[0] = 4
     backward(params, x, y)
     opt.step()
     assert opt.state[params[0]]["exp_avg"].bits == 4
-    assert opt.state_nbytes(params[0]) == 2 * (8192 // 2 + 128 * 4)
-    assert opt.state_nbytes(params[2]) == 2 * 32 * 4  # the float32 bias state
+    assert opt.state_nbytes(params[0]) == (2 * 8192 // 2, 2 * 128 * 4)
+    assert opt.state_nbytes(params[2]) == (2 * 32 * 4, 0)  # the float32 bias state
     assert torch.isfinite(params[0]).all()
 
 

@@ -71,6 +71,37 @@ def test_metrics_count_the_bytes_as_stored(run):
     assert 4 <= got["stquant_avg_bits"] <= 32
 
 
+def test_per_part_bits_and_bytes_from_the_stored_state(run):
+    """Blocks vs embedding / output layer: bits per parameter (32 for float32 state), code
+    and scale bytes per parameter, read off the stored moments by name; the time average
+    is the mean of every call's values."""
+    sums = {part: [0.0] * 4 for part in ("blocks", "embed")}
+    for e in run.optimizer.allocator.entries:
+        state = e.param.sub.optimizer.state[e.param.main]
+        part = "embed" if e.name.split(".")[0] in ("embedding", "output_layer") else "blocks"
+        m = state["exp_avg"]
+        row = sums[part]
+        row[0] += e.param.main.numel()
+        row[1] += e.param.main.numel() * (m.bits if isinstance(m, QState) else 32)
+        for q in (m, state["exp_avg_sq"]):
+            quantized = isinstance(q, QState)
+            row[2] += q.codes.numel() * q.codes.element_size() if quantized else 4 * q.numel()
+            row[3] += 4 * q.scales.numel() if quantized and q.scales is not None else 0
+    allocator = run.optimizer.allocator
+    before, calls = allocator.part_sums, allocator.part_calls
+    got = run.optimizer.metrics()
+    assert sums["embed"][0] > 0 and sums["blocks"][0] > sums["embed"][0]
+    for i, part in enumerate(("blocks", "embed")):
+        n, bits, codes, scales = sums[part]
+        assert got[f"stquant_params/{part}"] == n
+        assert got[f"stquant_bits/{part}"] == pytest.approx(bits / n, rel=1e-12)
+        assert got[f"stquant_code_bytes/{part}"] == pytest.approx(codes / n, rel=1e-12)
+        assert got[f"stquant_scale_bytes/{part}"] == pytest.approx(scales / n, rel=1e-12)
+        past = 0.0 if before is None else before[4 * i + 1].item() / n
+        assert got[f"stquant_bits_avg/{part}"] == pytest.approx(
+            (past + bits / n) / (calls + 1), rel=1e-12)
+
+
 def test_snip_reads_the_dequantized_moments(run):
     mp = next(mp for mp in main_params(run.optimizer) if mp.model.numel() >= 4096)
     inner = mp.sub.optimizer
