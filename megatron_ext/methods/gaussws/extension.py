@@ -160,10 +160,11 @@ def _pipeline_sum(t: torch.Tensor) -> torch.Tensor:
 
 def describe(config: GaussWSConfig) -> str:
     """The start-up line of ``--gaussws``."""
-    loss = f"bit-width loss lambda {config.lam:g}" if config.lam else "no bit-width loss"
+    loss = (f"bit-width loss lambda {config.lam:g} towards {config.b_target_loss:g} bits"
+            if config.lam else "no bit-width loss")
     return (f"gaussws: on | sampled weights of {','.join(config.sites)} | learnable bit width "
-            f"per {config.block}x{config.block} tile, {config.b_init:g} -> {config.b_target:g}"
-            f" bits | {loss}")
+            f"per {config.block}x{config.block} tile from {config.b_init:g} bits, weight decay "
+            f"towards {config.b_target_decay:g} | {loss}")
 
 
 def gaussws_extension(plans: PlanController) -> Extension:
