@@ -189,7 +189,8 @@ class FaultHandler:
             raise KeyboardInterrupt(self.interrupted)
 
     def _on_signal(self, signum, frame) -> None:
-        # acted on after the current step (no I/O inside a handler); SIGINT outranks SIGTERM
+        # acted on after the current step (no I/O inside a handler); if both came, SIGTERM
+        # (15 > 2): a pre-emption ends with status 0
         self.signalled = max(self.signalled, int(signum))
 
     def _poison(self, module, inputs, output):

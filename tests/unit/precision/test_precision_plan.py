@@ -116,7 +116,7 @@ def test_flags_make_uniform_plans_with_kept_layers():
     assert UNIFORM["fp4"].dy == "fp4_e2m1@tile128+sr"  # SNIP §6.1: stochastic rounding for dy
     assert _flags_plan(_args()) is None
     assert _flags_plan(_args("--precision", "uniform:fp8", "--keep-first-last-layers-bf16",
-                             "9")).sites == uniform_plan("bf16", 4).sites
+                             "2")).sites == uniform_plan("bf16", 4).sites
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp8", "fp8_e4m3@row", "int8@tile128",
@@ -143,6 +143,9 @@ def test_flag_errors_are_one_line_usage_errors(tmp_path):
         (("--precision", "uniform:fp8", "--precision-plan", str(plan_file)), "exclude each other"),
         (("--keep-first-last-layers-bf16", "1"), "needs --precision or --precision-plan"),
         (("--precision", "uniform:fp8", "--keep-first-last-layers-bf16", "-1"), "must be >= 0"),
+        (("--precision", "uniform:fp8", "--keep-first-last-layers-bf16", "9"),
+         "--keep-first-last-layers-bf16 9: the model has 4 layers, so the first and last 9 "
+         "overlap; give at most 2"),  # not a silent all-BF16 run
         (("--precision-plan", str(plan_file)),
          "--precision-plan: unknown site L10.fc2: the model has layers 0-3"),
         (("--precision-plan", str(tmp_path / "missing.json")), "--precision-plan: cannot read"),
