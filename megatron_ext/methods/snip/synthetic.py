@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from megatron_ext.methods.snip.candidates import option_name
+from megatron_ext.methods.snip import candidates
 from megatron_ext.methods.snip.problem import Option, Problem, Site
 from megatron_ext.precision.cost import ModelShape, site_cost, stage_fixed_seconds
 from megatron_ext.precision.policies import UNIFORM
@@ -60,7 +60,7 @@ def roles_formats(fp4_roles: tuple[str, ...]) -> SiteFormats:
 
 def option_name(fp4_roles: tuple[str, ...]) -> str:
     """Its name: ``x=<fmt>,w=<fmt>,dy=<fmt>``, the one spelling training's plans use too."""
-    return option_name(roles_formats(fp4_roles))
+    return candidates.option_name(roles_formats(fp4_roles))
 
 
 def stage_of_layers(num_layers: int, stages: int) -> list[int]:
