@@ -192,6 +192,12 @@ def flag_groups(extensions: list[Extension]) -> dict[str, list[argparse.Action]]
     return groups
 
 
+def flag_options(extensions: list[Extension]) -> list[str]:
+    """Every option string of the extensions' flag groups."""
+    return [o for actions in flag_groups(extensions).values() for a in actions
+            for o in a.option_strings]
+
+
 def refuse_inactive_flags(extensions: list[Extension], args: argparse.Namespace,
                           given: set[str]) -> None:
     """``UsageError`` naming the first flag in ``given`` (option strings the command line

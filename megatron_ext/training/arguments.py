@@ -242,11 +242,13 @@ MULTI_VALUE = (argparse._AppendAction, argparse._AppendConstAction, argparse._Co
 """Actions that may be given more than once; every other flag takes one value."""
 
 
-def given_flags(parser: argparse.ArgumentParser, argv: Iterable[str] | None) -> set[str]:
+def given_flags(parser: argparse.ArgumentParser, argv: Iterable[str] | None,
+                once: Iterable[str] = ()) -> set[str]:
     """The option strings ``argv`` gives (``--flag value`` and ``--flag=value``);
-    ``UsageError`` for a single-value flag given twice (``--precision snip --precision pgq``
-    would silently take the last)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    ``UsageError`` for a single-value flag of ``once`` given twice (``--precision snip
+    --precision pgq`` would silently take the last). Other flags keep argparse's (and
+    Megatron-LM's) last-wins: scripts and grids override a base command line that way."""
+    argv, once = (sys.argv[1:] if argv is None else list(argv)), set(once)
     seen: dict[int, list[str]] = {}
     for token in argv:
         if token == "--":
@@ -255,7 +257,8 @@ def given_flags(parser: argparse.ArgumentParser, argv: Iterable[str] | None) -> 
         if action is not None:
             seen.setdefault(id(action), []).append(token.split("=", 1)[0])
             flags = seen[id(action)]
-            if len(flags) > 1 and not isinstance(action, MULTI_VALUE):
+            if len(flags) > 1 and not isinstance(action, MULTI_VALUE) and \
+                    once.intersection(action.option_strings):
                 raise UsageError(f"{' and '.join(dict.fromkeys(flags))} given {len(flags)} "
                                  "times: the flag takes one value, give it once")
     return {flag for flags in seen.values() for flag in flags}
@@ -265,10 +268,8 @@ def parse_args(family: str, argv: Iterable[str] | None = None,
                extra_args_provider: ArgsProvider | None = None,
                world_size: int | None = None,
                optimizers: Iterable[tuple[str, str]] = ()) -> argparse.Namespace:
-    """Parse and validate; raises UsageError (one line) on bad input, a single-value flag
-    given twice included."""
+    """Parse and validate; raises UsageError (one line) on bad input."""
     parser = build_parser(family, extra_args_provider, optimizers)
-    given_flags(parser, argv)
     args = parser.parse_args(argv)
     args.family = family
     try:

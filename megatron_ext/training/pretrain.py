@@ -116,9 +116,10 @@ def parse_and_validate(family: str, argv, extensions: list[ext.Extension]):
     ``--dry-run``'s), checked by every extension's ``validate``; ``UsageError`` if bad."""
     provider = dry_run.args_provider(ext.args_provider(extensions))
     optimizers = ext.declared(extensions, "optimizers")
+    once = ["--optimizer", *ext.flag_options(extensions)]  # the extensions' flags: the seams
+    given = given_flags(build_parser(family, provider, optimizers), argv, once)
     simulated = dry_run.request(family, argv, provider, optimizers)
     args = parse_args(family, argv, provider, simulated and simulated.world_size, optimizers)
-    given = given_flags(build_parser(family, provider, optimizers), argv)
     ext.refuse_inactive_flags(extensions, args, given)  # --snip-budget without SNIP: one line
     for validate in ext.hooks(extensions, "validate"):
         validate(args)

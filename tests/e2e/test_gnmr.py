@@ -106,6 +106,14 @@ SCRIPTED = ["--gnmr", "--gnmr-warmup-frac", "0.125", "--gnmr-alpha-init", "0.5",
             "--gnmr-max-promoted", "2"]
 
 
+def _scripted(**changes) -> list[str]:
+    """SCRIPTED with some values changed (each flag is given once: a repeat is refused)."""
+    flags = list(SCRIPTED)
+    for name, value in changes.items():
+        flags[flags.index("--gnmr-" + name.replace("_", "-")) + 1] = str(value)
+    return flags
+
+
 def test_resume_between_promotion_and_demotion_is_exact(tmp_path):
     flags = [*FAST_ARGS, "--precision", "uniform:fp4", *SCRIPTED, "--gnmr-lock", "4",
              "--train-iters", "8"]
@@ -140,8 +148,8 @@ def test_snip_refresh_replaces_the_base_and_promotions_survive(tmp_path):
     run_dir = tmp_path / "snip"
     launch([*FAST_ARGS, "--run-dir", str(run_dir), "--no-save", "--train-iters", "6",
             "--precision", "snip", "--snip-budget", "0.9", "--snip-start", "2",
-            "--snip-interval", "2", "--snip-apply-lag", "1", *SCRIPTED,
-            "--gnmr-warmup-frac", "0.1", "--gnmr-max-promoted", "1", "--gnmr-lock", "100"])
+            "--snip-interval", "2", "--snip-apply-lag", "1",
+            *_scripted(warmup_frac=0.1, max_promoted=1), "--gnmr-lock", "100"])
     assert all(sorted(_high(line)) == ["L3"] for line in read_trace(run_dir))
     snip = json.loads((run_dir / "snip" / "step_000004" / "plan.json").read_text())["sites"]
     final = json.loads((run_dir / "precision_plan.json").read_text())

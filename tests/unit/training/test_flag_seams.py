@@ -37,11 +37,18 @@ def test_a_flag_of_an_inactive_extension_names_what_enables_it(argv, flag, needs
 
 @pytest.mark.parametrize("argv, flags", [
     (["--precision", "snip", "--precision", "pgq"], "--precision"),
-    (["--lr", "1e-3", "--lr=2e-3"], "--lr"),
-    (["--bf16", "--no-bf16"], "--bf16 and --no-bf16"),
+    (["--precision", "snip", "--snip-budget", "0.3", "--snip-budget=0.4"], "--snip-budget"),
+    (["--optimizer", "adam", "--optimizer", "stquant-adamw"], "--optimizer"),
 ])
-def test_a_single_value_flag_given_twice_is_refused(argv, flags):
+def test_an_extension_flag_given_twice_is_refused(argv, flags):
     assert _refused(argv).startswith(f"{flags} given 2 times: the flag takes one value")
+
+
+def test_training_flags_keep_last_wins():
+    """Training's own flags keep argparse's (and Megatron-LM's) last-wins: harnesses and
+    compare grids override a base command line that way."""
+    report = pretrain("llama", [*TINY, "--micro-batch-size", "1", "--dry-run"], [])
+    assert "micro-batch 1 x" in report.header
 
 
 def test_a_policy_whose_owner_is_not_in_the_run_cannot_be_chosen():
