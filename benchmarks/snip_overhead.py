@@ -3,9 +3,9 @@
     python benchmarks/snip_overhead.py runs/snip_overhead          # analyse a finished run
     python benchmarks/snip_overhead.py runs/snip_overhead --train  # make the run, then analyse
 
-A refresh before step ``s`` (:mod:`megatron_ext.methods.snip.extension`) runs SNIP's steps 1-3 on
-the batch of step ``s+1`` (the record of step ``s+1`` carries their time, ``snip_collect_s``,
-and ``snip_refresh: s``), trains step ``s+1``, and starts the divergence analysis and ILP in
+A refresh at step ``s`` (:mod:`megatron_ext.methods.snip.extension`) trains step ``s+1``,
+then runs SNIP's steps 1-3 on that step's batch and the weights before it (the record of step
+``s+1`` carries their time, ``snip_collect_s``, and ``snip_refresh: s``), and starts the divergence analysis and ILP in
 a background thread that must be done before step ``s+D+1`` (``D`` = ``--snip-apply-lag``).
 From the per-step ``step_time_s`` (the run needs ``--log-interval 1``) this reports
 

@@ -180,7 +180,8 @@ def describe(args) -> str:
     budget = f", budget {config.budget:g} of the linear FLOPs" if config.budget else ""
     mode = "" if config.mode == "recipe" else f" | validation recipe: {config.mode}"
     source = (f"profile from '{args.pgq_profile}'" if args.pgq_profile else
-              f"profiles the first {args.pgq_profile_steps} batch(es) in {args.pgq_candidates}")
+              f"profiles {args.pgq_profile_steps} batch(es) before step "
+              f"{args.pgq_profile_start + 1} in {','.join(candidates(args))}")
     return (f"pgq: on | format {config.format} where SQNR >= {config.fwd_threshold:g} (fprop) /"
             f" {config.bwd_threshold:g} (dgrad, wgrad), roofline {config.device}{budget}{mode}"
             f" | {source}")

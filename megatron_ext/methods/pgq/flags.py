@@ -59,8 +59,11 @@ def add_profile_arguments(group) -> None:
     group.add_argument("--pgq-profile-start", type=int, default=0, metavar="N",
                        help="train N steps with nothing quantized (the safe plan) and profile "
                             "before step N+1, after the early transient (default 0: at start)")
-    group.add_argument("--pgq-candidates", default=",".join(CANDIDATES), metavar="C1,C2,...",
-                       help="candidate formats to measure every operand's SQNR in")
+    group.add_argument("--pgq-candidates", default=None, metavar="C1,C2,...|all",
+                       help="candidate formats to measure every operand's SQNR in (default: "
+                            "--pgq-format's alone, all the recipe reads; 'all': every "
+                            "candidate, for the heatmap and other formats' recipes, at about "
+                            "one normal step of profile time per candidate)")
     group.add_argument("--pgq-profile", default=None, metavar="PROFILE.json",
                        help="make the recipe from this saved profile instead of profiling "
                             "(the plan is then known before training starts)")
@@ -84,8 +87,10 @@ def recipe_config(args: argparse.Namespace) -> RecipeConfig:
 
 
 def candidates(args: argparse.Namespace) -> dict[str, SiteFormats]:
-    """``--pgq-candidates`` checked, with ``--pgq-format`` among them."""
-    names = [n.strip() for n in args.pgq_candidates.split(",") if n.strip()]
+    """``--pgq-candidates`` checked, with ``--pgq-format`` among them (default: it alone)."""
+    spec = args.pgq_format if args.pgq_candidates is None else \
+        ",".join(CANDIDATES) if args.pgq_candidates.strip() == "all" else args.pgq_candidates
+    names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown or not names:
         raise UsageError(f"--pgq-candidates: unknown {unknown or 'empty list'}; choose from "

@@ -21,9 +21,11 @@ ILP itself is always solved over the eight FP8 / FP4 options of the synthetic pr
 GPU of stage ``k`` the statistics are ``4·L_k·c³`` FP32 scalars; they are all-reduced over
 the TP group (sums over shards) and averaged over the DP group (same size), gathered over the
 PP group to the solving rank (``4·L·c³`` scalars arrive there), and the plan comes back as a
-broadcast of one option index (int32) per site plus the plan's sha256. The raw per-row norms
-accumulated while collecting (ARCHITECTURE.md: one value per row) stay on their GPU and are
-not counted here.
+broadcast of one option index (int32) per site plus the plan's sha256.
+
+**Memory per refresh** (:mod:`.memory`): what one GPU of each stage holds beyond a step
+(weight snapshot, ``A²``, base ``dw``, float64 sums, the largest site's work) is the
+stage's ``extra`` memory in the report, so the dry run's "fits" verdict includes it.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def refresh_memory(config, args, context) -> list[RefreshMemory]:
     sums = sums_per_site(config.candidates)
     return [memory_of(s.per_gpu, 2 if layout.bf16 else 4,
                       local_sites(shape, s.layers, layout.tp),
-                      layout.seq * layout.micro_batch, layout.micro_batches, sums)
+                      layout.seq * layout.micro_batch, layout.micro_batches, layout.dp, sums)
             for s in context.stages]
 
 

@@ -6,7 +6,8 @@ before it, with AdamW's ``A²`` known, so per rank it holds, beyond what a step 
 * ``snapshot``: a copy of every local parameter in the model's dtype, from before step
   ``s+1`` until the passes end;
 * ``adam``: ``A²`` of every local site weight, FP32;
-* ``base_grad``: the base pass's DP-averaged ``dw`` of every site, FP32, until step 3;
+* ``base_grad``: the base pass's DP-averaged ``dw`` of every site until step 3: FP32 with
+  one micro-batch per step and DP = 1 (where that is exact), else float64;
 * ``accumulators``: float64 sums over a pass's micro-batches (``dw`` and one signed wgrad
   error per ``x`` and ``dy`` candidate): with one micro-batch per step only the site in
   its backward holds them; with several, every site holds them for the whole pass;
@@ -40,7 +41,7 @@ class RefreshMemory:
     adam: int
     """``A²`` of the local site weights, FP32."""
     base_grad: int
-    """The base pass's ``dw`` of the local sites, FP32."""
+    """The base pass's ``dw`` of the local sites (FP32 or float64)."""
     accumulators: int
     """Float64 sums over micro-batches: every site's (several micro-batches) or one site's."""
     transient: int
@@ -52,16 +53,17 @@ class RefreshMemory:
 
 
 def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], tokens: int,
-                   micro_batches: int, sums_per_site: int) -> RefreshMemory:
+                   micro_batches: int, dp: int, sums_per_site: int) -> RefreshMemory:
     """The refresh's memory of a rank holding ``params`` parameters of ``param_bytes`` each and
     site weights of local shapes ``sites`` (N, K), ``tokens`` rows per micro-batch, with
-    ``sums_per_site`` float64 N x K sums (1 + the x and dy candidates)."""
+    ``sums_per_site`` float64 N x K sums (1 + the x and dy candidates), DP size ``dp``."""
     weights = sum(n * k for n, k in sites)
     largest = max((n * k for n, k in sites), default=0)
     m_n = max((tokens * max(n, k) for n, k in sites), default=0)
     m_k = max((tokens * k for _, k in sites), default=0)
     held = weights if micro_batches > 1 else largest
-    return RefreshMemory(params * param_bytes, 4 * weights, 4 * weights,
+    dw_bytes = 4 if micro_batches == 1 and dp == 1 else 8
+    return RefreshMemory(params * param_bytes, 4 * weights, dw_bytes * weights,
                          8 * sums_per_site * held, 8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n)
 
 
@@ -89,7 +91,7 @@ def of_run(args, model, candidates: dict) -> RefreshMemory:
     return refresh_memory(sum(p.numel() for p in params),
                           params[0].element_size() if params else 4, sites,
                           args.seq_length * args.micro_batch_size, args.num_microbatches,
-                          sums_per_site(candidates))
+                          args.data_parallel, sums_per_site(candidates))
 
 
 def available_bytes() -> int | None:

@@ -57,9 +57,11 @@ random-sign expectation ``Σ_m δdy_mn² x_mk²`` (the rows' errors adding as in
 round-to-nearest errors of a per-tensor format are correlated across tokens (a small value
 flushed to zero in one token is flushed in its neighbours too), so the rows' errors add
 coherently, up to M times the independent sum when the rows are alike; the independent form
-put a site's own wgrad error 0.33-0.87x of its measurement for ``fp4-tensor``. ``WG*`` need
-AdamW's state after the step: :meth:`SiteObserver.adam_weighted` weights the errors with
-``A²`` once that step is done.
+put a site's own wgrad error 0.33-0.87x of its measurement for ``fp4-tensor``. ``WG*`` (and
+``dgA*``) need AdamW's state after the step (:meth:`SiteObserver.adam_weighted`): given
+before the passes (training: :mod:`.refresh` runs them after the step, on the weights before
+it), each N x K tensor is weighted and freed when its site's pass is complete, in the site's
+backward; given after, every one of them is kept until then.
 
 ``κ_m²`` is the gain of the norm in front of ``qkv`` / ``fc1`` for an isotropic error in the
 site's ``dx`` row ``m``: the norm's backward ``J^T δ = (γ ⊙ δ - x̂ (x̂ · γ ⊙ δ)/H) / r_m``
@@ -89,6 +91,7 @@ from megatron_ext.formats import get_format
 from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.layers import tp_group, tp_input
 from megatron_ext.precision.site_formats import PASSTHROUGH
+from megatron_ext.methods.snip.observed_gemm import ObservedGemm, TapInput
 from megatron_ext.methods.snip.probe_noise import seeded_noise
 
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
@@ -153,7 +156,8 @@ class SiteObserver:
             self.stats[key] = {f: 0.0 for f in candidates[role]}
         self._dw = None
         self._g_base = None
-        """The base pass's DP-averaged dw in float32 (for step 3's ``dgF``; freed there)."""
+        """The base pass's DP-averaged dw for step 3's ``dgF`` (freed there): FP32 with one
+        micro-batch and DP = 1 (exact), else float64."""
         self._probe_dg: dict[str, torch.Tensor] = {}
         self._wgrad_error = {"WGdy": {f: 0.0 for f in candidates["dy"]},
                              "WGx": {f: 0.0 for f in candidates["x"]}}
@@ -189,9 +193,11 @@ class SiteObserver:
     def __call__(self, module, input, weight, kwargs):
         """Replaces the site's ``_forward_impl`` while attached: unquantized GEMM + hooks."""
         if self.mode in (BASE, PROBE_BACKWARD):
-            input = _TapInput.apply(input, self)
+            input = TapInput.apply(input, self)
         x = tp_input(input, kwargs)
-        return _ObservedGemm.apply(x, weight, kwargs["bias"], self)
+        if self.mode == PROBE_FORWARD and self.noise_scale:
+            x = self.add_forward_noise(x)
+        return ObservedGemm.apply(x, weight, kwargs["bias"], self, self.mode == BASE)
 
     def begin_pass(self, mode: str, sample_offsets: list[int], micro_batch_size: int):
         self.mode, self.sample_offsets = mode, sample_offsets
@@ -336,7 +342,8 @@ class SiteObserver:
         self._dw = None
         if self.mode == BASE:
             self._weight_stats(weight.detach().double(), dw)
-            self._g_base = dw.float()
+            single = len(self.sample_offsets) == 1 and self.dp == 1  # dw: one FP32 GEMM's
+            self._g_base = dw.float() if single else dw  # FP32 where that is exact
             for error in (e for errors in self._wgrad_error.values() for e in errors.values()):
                 if self.dp > 1:  # the global-batch error: DP average (already divided by dp)
                     dist.all_reduce(error, group=parallel_state.get_data_parallel_group())
@@ -380,47 +387,3 @@ class SiteObserver:
             fprop = self._tp_complete(_rows_sq(_error(w, f, 1, self.group)), partial)
             self._add("ew", fprop, f, rep)
             self._add("Lw", dw_rows * fprop, f, rep)
-
-
-class _TapInput(torch.autograd.Function):
-    """Identity on the module input that records x rows forward and dx rows backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, obs: SiteObserver) -> torch.Tensor:
-        ctx.obs = obs
-        ctx.rows = obs.input_forward(x)
-        ctx.norm_gain = obs.take_norm_gain()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dx: torch.Tensor):
-        ctx.obs.input_backward(ctx.rows, dx, ctx.norm_gain)
-        return dx, None
-
-
-class _ObservedGemm(torch.autograd.Function):
-    """``y = x @ w.T + b`` unquantized, with the observer's statistics and noise."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, obs: SiteObserver):
-        if obs.mode == PROBE_FORWARD and obs.noise_scale:
-            x = obs.add_forward_noise(x)
-        output = torch.matmul(x, weight.t())
-        if bias is not None:
-            output = output + bias
-        ctx.obs, ctx.use_bias = obs, bias is not None
-        ctx.save_for_backward(x, weight)
-        return output
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        obs = ctx.obs
-        dx = torch.matmul(dy, weight)
-        dy2 = dy.contiguous().view(-1, dy.shape[-1])
-        x2 = x.contiguous().view(-1, x.shape[-1])
-        dw = dy2.t() @ x2
-        if obs.mode == BASE:
-            obs.gemm_backward(x2, dy2, weight)
-        obs.accumulate_dw(dw, weight)  # the site may be complete after this
-        return dx, dw, dy2.sum(0) if ctx.use_bias else None, None

@@ -249,3 +249,35 @@ def test_norm_gain_weights_the_sites_dx_rows():
     plain = SiteObserver("L0.fc1", layer, CANDIDATES)
     _run(layer, plain, x.detach(), r)
     assert plain.stats["dxdxN"] == 0.0 and plain.stats["dxdx"] > 0
+
+
+def _held(obs) -> int:
+    """N x K elements the observer still holds (wgrad errors, probe gradients)."""
+    errors = [e for errs in obs._wgrad_error.values() for e in errs.values()]
+    return sum(t.numel() for t in [*errors, *obs._probe_dg.values()] if torch.is_tensor(t))
+
+
+def test_adam_known_in_advance_streams_the_same_statistics():
+    """A² given before the passes (training's order): every A-weighted statistic equals the
+    one of A² given after them (groundtruth's order), and no N x K tensor outlives its
+    site's backward; float32 A² (what training keeps) within 1e-6."""
+    torch.manual_seed(6)
+    layer = _layer(RowParallelLinear)
+    x, r = torch.randn(S, B, F), torch.randn(S, B, H)
+    a2 = torch.rand(H, F, dtype=torch.float64)
+    late = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1)
+    for mode in (BASE, PROBE_BACKWARD, PROBE_FORWARD):
+        _run(layer, late, x, r, mode)
+    assert _held(late) == 6 * H * F  # four wgrad errors, dgB and dgF kept until A² comes
+    late.adam_weighted(a2)
+    for a2_early, rel in ((a2, 1e-12), (a2.float(), 1e-6)):
+        early = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1)
+        early.adam_weighted(a2_early)
+        for mode in (BASE, PROBE_BACKWARD, PROBE_FORWARD):
+            _run(layer, early, x, r, mode)
+            assert _held(early) == 0
+        for key, value in late.stats.items():
+            expect = value if isinstance(value, dict) else {"": value}
+            got = early.stats[key] if isinstance(value, dict) else {"": early.stats[key]}
+            for f, v in expect.items():
+                assert got[f] == pytest.approx(v, rel=rel, abs=1e-300), (key, f)
