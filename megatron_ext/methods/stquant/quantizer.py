@@ -176,6 +176,8 @@ def _rungs_in_octave(ratio_bits: torch.Tensor, cuts: torch.Tensor) -> torch.Tens
     normal) float32 whose bits are ``ratio_bits``: ``floor(log2(f) / δ + 1/2)``, and where
     that is within :data:`NEAR_CUT` of a cut, the exact count (:func:`_rungs_up`)."""
     mantissa = (ratio_bits & 0x7FFFFF).bitwise_or_(0x3F800000).view(torch.float32)
+    if cuts.numel() == 1:  # one rung per octave: a single comparison is cheaper
+        return (mantissa >= cuts).float()
     t = torch.log2(mantissa).mul_(cuts.numel()).add_(0.5)
     frac = torch.frac(t)
     near = (frac - 0.5).abs_() > 0.5 - NEAR_CUT

@@ -140,3 +140,33 @@ def test_32_bits_is_the_float32_tensor_and_the_dict_round_trips():
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         quantize(torch.ones(8), block=BLOCK, **kwargs)
+
+
+def _log_codes(q: QState) -> torch.Tensor:
+    """The rung numbers ``k`` of a logarithmic QState, ``(blocks, B)``."""
+    from megatron_ext.formats.codes import unpack_nibbles
+    if q.bits == 16:
+        return q.codes.long() + 2 ** 15
+    return (unpack_nibbles(q.codes, q.block) if q.bits == 4 else q.codes).long()
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_log_codes_are_the_exact_nearest_rung(bits):
+    """k = round(K + log2(v / vmax) / δ) computed in float64, on heavy-tailed values and on
+    the float32 values either side of every rung midpoint of the ladder's top 3 octaves
+    (where a float32 log2 would decide wrongly), with the block maximum 1."""
+    top, step = 2 ** bits - 1, LOG_STEP[bits]
+    per, octaves = round(1 / step), min(3, math.ceil((top - 1) * step))
+    mids = torch.exp2(-(torch.arange(per * octaves, dtype=torch.float64) + 0.5) * step)
+    above = mids.float()
+    above = torch.where(above.double() < mids, torch.nextafter(above, torch.tensor(2.0)), above)
+    below = torch.nextafter(above, torch.tensor(0.0))
+    edge = torch.cat([above, below])
+    x = torch.cat([heavy_tailed(64 * 40, seed=bits).square(), edge])
+    x = torch.cat([x, torch.ones(-x.numel() % BLOCK)]).view(-1, BLOCK)
+    x[-(edge.numel() // BLOCK + 2):, 0] = 1.0  # the edge blocks' maximum is 1
+    q = quantize(x.view(-1), "log", bits, BLOCK)
+    vmax = x.amax(dim=1, keepdim=True)
+    ratio = (x / vmax).clamp(min=torch.finfo(torch.float32).tiny).double()
+    want = torch.round(top + torch.log2(ratio) / step).clamp(1, top)
+    assert torch.equal(_log_codes(q), torch.where(x > 0, want, 0).long())
