@@ -56,9 +56,9 @@ def _cpu_model() -> str:
 
 def numerical_probe() -> str:
     """Hash of the bits of a tiny Llama step's kernels at its shapes (128 tokens of width
-    128, 352 x 2 gated MLP columns, 4 heads of 32), one thread as the runs use: the GEMMs
-    of forward, dgrad and wgrad, attention's batched GEMMs and softmax, RMSNorm, SiLU,
-    cross-entropy and the reductions an optimizer step takes."""
+    128, 352 x 2 gated MLP columns, 4 heads of 32, 384 padded vocabulary), one thread as
+    the runs use: the GEMMs of forward, dgrad and wgrad, attention's batched GEMMs and
+    softmax, RMSNorm, SiLU, cross-entropy and the reductions an optimizer step takes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -66,11 +66,13 @@ def numerical_probe() -> str:
         x, dy = torch.randn(128, 128, generator=g), torch.randn(128, 704, generator=g)
         w1, w2 = torch.randn(704, 128, generator=g), torch.randn(128, 352, generator=g)
         q, k = torch.randn(8, 64, 32, generator=g), torch.randn(8, 64, 32, generator=g)
+        logits = F.linear(x, torch.randn(384, 128, generator=g))
         h = F.linear(x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5), w1)
         a = F.silu(h[:, :352]) * h[:, 352:]
         outs = [h, a, F.linear(a, w2), dy @ w1, dy.t() @ x, torch.bmm(q, k.transpose(1, 2)),
                 torch.softmax(q @ k.transpose(1, 2), -1),
-                F.cross_entropy(h, torch.arange(128) % 704), h.square().sum(), a.norm()]
+                logits, F.cross_entropy(logits, torch.arange(128) * 3), logits.t() @ x,
+                h.square().sum(), a.norm()]
         digest = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in outs))
         return digest.hexdigest()[:16]
     finally:
