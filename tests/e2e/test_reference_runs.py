@@ -2,7 +2,8 @@
 references (``reference_runs.py``, one recording per machine kind) — plans and FP4 fractions
 exactly; losses and grad norms bit for bit against the recording of this machine kind (same
 torch build, instruction set, CPU and numerical probe: the same kernels), within a band
-against the other kinds'.
+against the other kinds' (a kind with no recording is held to the band alone until
+``python tests/e2e/reference_runs.py --add`` records it).
 
 Another machine kind rounds float32 GEMMs differently (MKL picks its kernels by instruction
 set and CPU vendor), an ulp-level change that FP8 rounding amplifies: a value flipped across
