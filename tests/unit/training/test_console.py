@@ -15,9 +15,11 @@ from pretrain_runner import FAST_ARGS, REPO
                                                    ("8", "| 4 micro-batches/step |")])
 def test_start_up_line_and_no_gpu_library_warnings(tmp_path, global_batch, phrase):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    args = list(FAST_ARGS)  # a flag given twice is refused: replace FAST_ARGS' batch
+    args[args.index("--global-batch-size") + 1] = global_batch
     proc = subprocess.run(
-        [sys.executable, str(REPO / "pretrain_llama.py"), *FAST_ARGS, "--train-iters", "2",
-         "--global-batch-size", global_batch, "--run-dir", str(tmp_path / "run")],
+        [sys.executable, str(REPO / "pretrain_llama.py"), *args, "--train-iters", "2",
+         "--run-dir", str(tmp_path / "run")],
         cwd=REPO, capture_output=True, text=True, timeout=180,
         env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
