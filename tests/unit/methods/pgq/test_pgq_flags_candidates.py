@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from megatron_ext.errors import UsageError
-from megatron_ext.methods.pgq.options import candidates
+from megatron_ext.methods.pgq.flags import candidates
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 
 
