@@ -3,7 +3,8 @@ GEMM module's ``scaled_mm``, wrapped) and prints ``real FP8 GEMMs: N`` at the en
 
 import sys
 
-from megatron_ext.precision import gemm, precision_extension
+from megatron_ext.precision import gemm
+from megatron_ext.precision.extension import precision_extension
 from megatron_ext.training.pretrain import main
 
 _calls = []
