@@ -184,13 +184,13 @@ class Checkpointer:
         try:
             common = dist_checkpointing.load_common_state_dict(path)
             weights_only = finetune or common.get("weights_only", False)
-            _check_not_past(common, weights_only, train_iters, path)
             same_layout = common.get("layout") == _layout()
             if not weights_only:
                 allocate_adam_state(self.optimizer)
             request = {"model": self._model_state()} if weights_only \
                 else self._sharded_state(True, same_layout, common.get("optimizer"))
-            _check_model_shapes(request["model"], path)
+            _check_model_shapes(request["model"], path)  # another model: said first
+            _check_not_past(common, weights_only, train_iters, path)
             loaded = dist_checkpointing.load(request, path)
         except UsageError:
             raise
