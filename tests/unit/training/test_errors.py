@@ -73,8 +73,8 @@ CASES = {
     "exit interval zero": (["--exit-interval", "0"], 1, "--exit-interval must be positive"),
     "save interval zero": (["--save-interval", "0"], 1, "--save-interval must be positive"),
     "stquant flag without its optimizer": (["--stquant-fixed-bits", "4"], 1,
-                                           "--stquant-fixed-bits need(s) --optimizer "
-                                           "stquant-adamw"),
+                                           "--stquant-fixed-bits is a flag of stquant, which "
+                                           "is off: it needs --optimizer stquant-adamw"),
     "keep more bf16 layers than the model has": (["--precision", "uniform:fp4",
                                                   "--keep-first-last-layers-bf16", "10"], 1,
                                                  "--keep-first-last-layers-bf16 10: the model "
@@ -93,12 +93,13 @@ def _validated(argv, world_size):
     """What pretrain_llama.py checks before any work: the trainer's, the dry run's and every
     extension's flags, parsed, then each extension's ``validate``."""
     from megatron_ext.defaults import default_extensions
-    from megatron_ext.extension import args_provider, hooks
+    from megatron_ext.extension import args_provider, hooks, refuse_inactive_flags
     from megatron_ext.training import dry_run
 
     extensions = default_extensions()
     args = parse_args("llama", argv, dry_run.args_provider(args_provider(extensions)),
                       world_size=world_size)
+    refuse_inactive_flags(extensions, args, set(argv))
     for validate in hooks(extensions, "validate"):
         validate(args)
 
