@@ -138,7 +138,8 @@ def test_flag_errors_are_one_line_usage_errors(tmp_path):
         (("--precision", "uniform:fp6"), "--precision: unknown precision 'uniform:fp6' in this "
                                          "run; choose one of "),  # every offered spelling
         (("--precision", "uniform"), "uniform:bf16, uniform:fp8, uniform:fp4"),
-        (("--precision", "uniform:none"), "uniform:fp4-tensor, uniform:<format>"),
+        (("--precision", "uniform:none"),
+         "uniform:fp4-tensor, uniform:wgrad-x4-token, uniform:wgrad-x8-token, uniform:<format>"),
         (("--precision", "uniform:"), "unknown precision 'uniform:'"),
         (("--precision", "uniform:fp8", "--precision-plan", str(plan_file)), "exclude each other"),
         (("--keep-first-last-layers-bf16", "1"), "needs --precision or --precision-plan"),

@@ -209,7 +209,7 @@ def test_attention_backend_resolution():
     ``--transformer-impl auto`` on local layers even where TE could run."""
     from megatron_ext.errors import UsageError
     from megatron_ext.training.attention_backend import resolve_attention_backend as resolve
-    from megatron_ext.training.model import resolve_transformer_impl
+    from megatron_ext.training.layer_impl import resolve_transformer_impl
 
     assert [resolve(b, "local") for b in ("auto", "sdpa", "local")] == ["sdpa", "sdpa", "local"]
     assert [resolve(b, "transformer_engine") for b in ("auto", "flash", "fused", "unfused")] \
@@ -218,7 +218,7 @@ def test_attention_backend_resolution():
         resolve("flash", "local")
     with pytest.raises(UsageError, match="sdpa runs in megatron-core's local layers"):
         resolve("sdpa", "transformer_engine")
-    assert resolve_transformer_impl("auto", False, "sdpa") == "local"
+    assert resolve_transformer_impl("auto", False, True, "sdpa") == "local"
 
 
 @pytest.mark.parametrize("backend, module", [("auto", "SDPAttention"), ("sdpa", "SDPAttention"),
