@@ -11,18 +11,14 @@ import sys
 import torch
 
 from megatron_ext.defaults import default_extensions
-from megatron_ext.extension import args_provider, hooks
-from megatron_ext.training.arguments import parse_args
 from megatron_ext.training.loop import train
 from megatron_ext.training.metrics import MetricsLogger
-from megatron_ext.training.pretrain import setup
+from megatron_ext.training.pretrain import parse_and_validate, setup
 
 
 def main(argv: list[str]) -> None:
     extensions = default_extensions()
-    args = parse_args("llama", argv, args_provider(extensions))
-    for validate in hooks(extensions, "validate"):
-        validate(args)
+    args, _ = parse_and_validate("llama", argv, extensions)  # as pretrain_llama.py parses
     run = setup(args, extensions)
     run.checkpointer.save(run.state)
     rank0 = torch.distributed.get_rank() == 0

@@ -31,6 +31,7 @@ from pretrain_runner import FAST_ARGS, launch
 ALIGNED = ["--hidden-size", "256", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
            "--num-query-groups", "4", "--vocab-size", "512"]
 PGQ = ["--precision", "pgq", "--pgq-profile-steps", "1", "--pgq-device", "none",
+       "--pgq-candidates", "all",  # every candidate: the test compares them all
        "--train-iters", "1", "--lr-warmup-iters", "0", "--no-save"]
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
