@@ -7,14 +7,19 @@ Sections, in this order (each one's failure is recorded and the next one runs):
 
 * ``env``      python, torch, CUDA, triton, megatron-core, the card, Transformer Engine;
 * ``main``     the main job (``pretrain_llama.py``, tiny Llama) for ``--main-steps`` steps;
-* ``formats``  every Triton format, and the FP8 scale-and-cast kernel, bit-identical with the
-               CPU reference, and its GB/s against ``clone()`` (4096 x 4096, BF16 and FP32);
+* ``formats``  every format's GPU path (``benchmarks/quantize.py``, 8192 x 8192, FP32 and BF16)
+               and the FP8 scale-and-cast kernel (4096 x 4096): bit-identical with the CPU
+               reference, and time against ``clone()`` (target <= 3x);
+* ``stquant``  STQuant's fused Triton step against torch's AdamW at TinyLlama's widths x 8
+               layers (``benchmarks/stquant_step.py``; target <= 1.5x) and against the CPU path;
 * ``gemm``     real FP8 GEMMs (``torch._scaled_mm``: per tensor, per row, 1x128 x 128x128
                blocks) and the emulated one against a BF16 matmul at TinyLlama-1.1B's GEMM
                shapes, with and without quantizing the operands;
 * ``train``    tokens/s and peak memory at the TinyLlama-1.1B shape (22 layers, seq 2048,
                micro-batch 2, mock data) for BF16, uniform:fp8 real and emulated, and the
-               methods (snip, gnmr, stquant, gaussws, pgq);
+               methods (snip, gnmr, stquant, gaussws, pgq); the snip row also gives its
+               refresh step's peak memory over a normal step's (``benchmarks/snip_memory.py``,
+               target <= 1.15x);
 * ``pytest``   ``pytest tests/unit`` with CUDA visible (xdist, ``--pytest-timeout`` seconds).
 
 It prints each result as it comes and writes ``<out>/gpu_check.json`` and
@@ -34,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SECTIONS = ("env", "main", "formats", "gemm", "train", "pytest")
+SECTIONS = ("env", "main", "formats", "stquant", "gemm", "train", "pytest")
 GEMM_SHAPES = [(8192, 2048, 5632), (8192, 5632, 2048), (8192, 2048, 2048), (16384, 8192, 8192)]
 """(M, K, N) of ``(M, K) @ (K, N)``: TinyLlama-1.1B's fc1 / fc2 / proj at 8192 tokens, and a
 large square one."""
@@ -69,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps per training row; the median of those after step 3 is kept")
     p.add_argument("--train-configs", nargs="+", choices=list(TRAIN_CONFIGS),
                    default=list(TRAIN_CONFIGS), help="training rows to run (default: all)")
+    p.add_argument("--formats-budget", type=float, default=60.0,
+                   help="seconds for the formats section's timed rows (those left are skipped)")
     p.add_argument("--main-steps", type=int, default=50, help="steps of the main job")
     p.add_argument("--pytest-timeout", type=int, default=200,
                    help="seconds for pytest (killed after)")

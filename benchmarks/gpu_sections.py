@@ -77,36 +77,40 @@ def main(args, out) -> dict:
 
 
 def formats(args, out) -> dict:
-    """Every Triton-routed format: GPU result == CPU reference, and GB/s against clone()."""
-    from megatron_ext.formats import available, fake_quant, get_format
-    from megatron_ext.formats import triton_kernels as tk
-    from megatron_ext.formats.fp8 import is_fp8_format, to_fp8
+    """Every format's GPU path (``benchmarks/quantize.py``'s :func:`run`: x ``clone()``, target
+    <= 3x, and bit-identical to the CPU reference), then ``to_fp8`` for the real-FP8 formats."""
+    from benchmarks.quantize import run
+    from megatron_ext.formats import get_format
+    from megatron_ext.formats.fp8 import to_fp8
 
-    rows = []
+    rows = [{k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+            for row in run("cuda", budget_s=args.formats_budget)]
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(4096, 4096, device="cuda", dtype=dtype) * 3
         x_cpu = x.cpu()
         clone_s = _time(lambda: x.clone())
-        nbytes = 2 * x.numel() * x.element_size()
-        for name in available():
-            fmt = get_format(name)
-            if fmt.stochastic or not tk.supports(fmt, x):
-                continue
-            same = torch.equal(fake_quant(x, fmt).cpu(), fake_quant(x_cpu, fmt))
-            s = _time(lambda: fake_quant(x, fmt))
-            rows.append({"format": name, "dtype": str(dtype)[6:], "bit_identical": same,
-                         "GB/s": round(nbytes / s / 1e9), "x clone": round(s / clone_s, 2)})
         for name in ("fp8_e4m3", "fp8_e4m3@row", "fp8_e4m3@tile128", "fp8_e4m3@block128"):
             fmt = get_format(name)
-            assert is_fp8_format(fmt)
             got, ref = to_fp8(x, fmt), to_fp8(x_cpu, fmt)
             same = torch.equal(got.data.cpu().view(torch.uint8), ref.data.view(torch.uint8)) \
                 and torch.equal(got.scale.cpu(), ref.scale)
             s = _time(lambda: to_fp8(x, fmt))
             rows.append({"format": f"to_fp8 {name}", "dtype": str(dtype)[6:],
-                         "bit_identical": same, "GB/s": round(nbytes / s / 1e9),
-                         "x clone": round(s / clone_s, 2)})
-    return {"rows": rows, "all_bit_identical": all(r["bit_identical"] for r in rows)}
+                         "bit_identical": same, "x_clone": round(s / clone_s, 2)})
+    timed = [r for r in rows if "x_clone" in r]
+    return {"rows": rows, "all_bit_identical": all(r.get("bit_identical") is not False
+                                                   for r in timed),
+            "worst_x_clone": max((r["x_clone"] for r in timed), default=None)}
+
+
+def stquant(args, out) -> dict:
+    """STQuant's fused Triton step against torch's AdamW (foreach and fused) at TinyLlama's
+    widths x 8 layers (target <= 1.5x), and its codes against the CPU path
+    (``benchmarks/stquant_step.py``'s :func:`run`)."""
+    from benchmarks.stquant_step import run
+
+    return {"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+                     for row in run("cuda")]}
 
 
 def gemm(args, out) -> dict:
@@ -164,6 +168,8 @@ def train(args, out) -> dict:
         records = [r for r in run.get("records", []) if "tokens_per_s" in r]
         timed = [r for r in records if r["step"] > 3] or records
         row = {"config": name}
+        if name == "snip" and "error" not in run:
+            row["refresh x step memory"] = _refresh_ratio(run_dir)
         if timed:
             row["tokens/s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
             row["peak GiB"] = round(max(r.get("mem_gib", 0) for r in records), 1)
@@ -178,6 +184,17 @@ def train(args, out) -> dict:
         if base and "tokens/s" in row:
             row["x bf16"] = round(row["tokens/s"] / base, 2)
     return {"rows": rows}
+
+
+def _refresh_ratio(run_dir: Path):
+    """``benchmarks/snip_memory.py``'s refresh / normal-step peak memory (target <= 1.15)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from snip_memory import refresh_vs_step
+
+    try:
+        return round(refresh_vs_step(run_dir)["ratio"], 3)
+    except (ValueError, OSError) as exc:
+        return str(exc)
 
 
 def pytest(args, out) -> dict:
@@ -200,7 +217,7 @@ def markdown(results: dict) -> str:
     lines = ["## GPU check", ""]
     env_ = results.get("env", {})
     lines += [" | ".join(f"{k} {v}" for k, v in env_.items()), ""]
-    for section in ("gemm", "train", "formats"):
+    for section in ("gemm", "train", "formats", "stquant"):
         rows = results.get(section, {}).get("rows")
         if not rows:
             lines += [f"{section}: {results.get(section, {}).get('error', 'not run')}", ""]

@@ -44,3 +44,24 @@ def test_the_report_renders_every_section():
     assert "| config | tokens/s |" in text and "| bf16 | 100 |" in text
     assert "error in snip: CUDA out of memory" in text
     assert "gemm: RuntimeError: boom" in text and "formats: not run" in text
+
+
+def test_the_new_sections_call_the_benchmarks_run(monkeypatch, tmp_path):
+    """``formats`` and ``stquant`` report what ``benchmarks/quantize.py`` / ``stquant_step.py``
+    measure (their ``run`` is tested on CPU with those scripts); the snip row's refresh ratio
+    comes from ``snip_memory.refresh_vs_step``."""
+    sys.path.insert(0, str(REPO))
+    import benchmarks.stquant_step
+    from benchmarks import gpu_sections
+
+    monkeypatch.setattr(benchmarks.stquant_step, "run",
+                        lambda device: [{"operation": "optimizer step adamw", "ms": 1.23456}])
+    assert gpu_sections.stquant(None, tmp_path) == {
+        "rows": [{"operation": "optimizer step adamw", "ms": 1.235}]}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 5.0, "mem_gib": 2.0}\n'
+        '{"step": 2, "loss": 5.0, "mem_gib": 2.0, "snip_refresh": 1}\n')
+    assert gpu_sections._refresh_ratio(run) == 1.0
+    assert "metrics.jsonl" in gpu_sections._refresh_ratio(tmp_path)
