@@ -17,6 +17,10 @@ in any of them shows in the step that is logged next.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
 import torch
 
 GIB = 2 ** 30
@@ -77,3 +81,26 @@ class PeakMemory:
         """``{"mem_gib": peak}`` for a metrics record; ``{}`` without a reading."""
         peak = self.read()
         return {} if peak is None else {"mem_gib": peak}
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None where the C library has none: musl, macOS, Windows)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the kernel (glibc ``malloc_trim(0)``) on CPU.
+
+    glibc serves allocations under its mmap threshold (which grows to 32 MiB as large
+    blocks are freed) from a heap whose freed chunks stay resident, so a phase that makes
+    many short-lived tensors of varied sizes (a SNIP refresh's float64 error products) leaves
+    RSS well above its live memory. Called between such tensors it keeps RSS near live
+    memory, as the CUDA allocator's ``max_memory_allocated`` counts it. A no-op with CUDA
+    (the heap is not where the tensors are) or without glibc."""
+    trim = None if torch.cuda.is_available() else _malloc_trim()
+    if trim is not None:
+        trim(0)

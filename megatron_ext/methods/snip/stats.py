@@ -93,6 +93,7 @@ from megatron_ext.precision.layers import tp_group, tp_input
 from megatron_ext.precision.site_formats import PASSTHROUGH
 from megatron_ext.methods.snip.observed_gemm import ObservedGemm, TapInput
 from megatron_ext.methods.snip.probe_noise import seeded_noise
+from megatron_ext.training.memory import trim_heap
 
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
 """Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
@@ -261,7 +262,7 @@ class SiteObserver:
         for f in self.candidates["x"]:
             err = _error(x2.t(), f, -1, self.group).t().double()
             self._add("Gx", _rows_sq(err) * dy_rows, f)
-            self._wgrad_error["WGx"][f] = self._wgrad_error["WGx"][f] + dy.t() @ err
+            self._wgrad("WGx", f, dy.t() @ err)
             err = None
         for f in self.candidates["w"]:  # dy·δ_f(w): this micro-batch's dgrad error (M x K)
             self._dgrad_error("Bw", f, dy @ _error(w.t(), f, -1, self.group).t().double())
@@ -273,8 +274,19 @@ class SiteObserver:
             err = None
             err = _error(dy2.t(), f, -1, self.group).t().double().div_(self.dp)
             self._add("Gdy", _rows_sq(err) * x_rows, f)
-            self._wgrad_error["WGdy"][f] = self._wgrad_error["WGdy"][f] + err.t() @ x
+            self._wgrad("WGdy", f, err.t() @ x)
             err = None
+        trim_heap()
+
+    def _wgrad(self, key: str, f: str, product: torch.Tensor) -> None:
+        """Add one micro-batch's wgrad error ``product`` (N x K). When it is the whole global
+        batch's (one micro-batch, no DP) and ``A²`` is known, it is weighted at once and
+        dropped (:meth:`_weigh`'s sum, the same float64 operations); else summed until the
+        site's pass is complete."""
+        if self._a2 is not None and len(self.sample_offsets) == 1 and self.dp == 1:
+            self.stats[key][f] += float((self._a2 * product.square()).sum())
+        else:
+            self._wgrad_error[key][f] = self._wgrad_error[key][f] + product
 
     def _dgrad_error(self, key: str, f: str, product: torch.Tensor) -> None:
         """``Bdyw``, ``Bw``: the squared norm of a dgrad error product, completed over TP
@@ -355,6 +367,7 @@ class SiteObserver:
             self.stats[key] += float(self._probe_dg[key].square().sum()) / self.dp
         if self._a2 is not None:
             self._weigh()
+        trim_heap()
 
     def adam_weighted(self, a2: torch.Tensor) -> None:
         """The AdamW-weighted statistics, given ``A²`` of this site's local weight after the
