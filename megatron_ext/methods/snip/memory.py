@@ -10,7 +10,9 @@ before it, with AdamW's ``A²`` known, so per rank it holds, beyond what a step 
   one micro-batch per step and DP = 1 (where that is exact), else float64;
 * ``accumulators``: float64 sums over a pass's micro-batches (``dw`` and one signed wgrad
   error per ``x`` and ``dy`` candidate): with one micro-batch per step only the site in
-  its backward holds them; with several, every site holds them for the whole pass;
+  its backward holds them; with several, every site holds them for the whole pass; with
+  one micro-batch and no DP no error is summed: each is weighted as it is made (its site
+  holds ``dw``, the product and the two temporaries of ``A² ⊙ e²``);
 * ``transient``: the largest site's float64 work in its backward (three M x N tensors:
   ``dy`` or one error of it and its square; two M x K; the quantizer's two M x N FP32).
 
@@ -30,6 +32,8 @@ from megatron_ext.precision.cost import ModelShape
 from megatron_ext.sites import SITES
 
 GIB = 2 ** 30
+WEIGH_TEMPORARIES = 3
+"""N x K float64 tensors of weighting one wgrad error at once: ``e``, ``e²``, ``A² ⊙ e²``."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,10 @@ def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], 
     m_n = max((tokens * max(n, k) for n, k in sites), default=0)
     m_k = max((tokens * k for _, k in sites), default=0)
     held = weights if micro_batches > 1 else largest
-    dw_bytes = 4 if micro_batches == 1 and dp == 1 else 8
-    return RefreshMemory(params * param_bytes, 4 * weights, dw_bytes * weights,
-                         8 * sums_per_site * held, 8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n)
+    single = micro_batches == 1 and dp == 1
+    sums = 1 + WEIGH_TEMPORARIES if single else sums_per_site
+    return RefreshMemory(params * param_bytes, 4 * weights, (4 if single else 8) * weights,
+                         8 * sums * held, 8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n)
 
 
 def local_sites(shape: ModelShape, layers, tp: int) -> list[tuple[int, int]]:

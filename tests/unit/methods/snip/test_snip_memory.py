@@ -11,7 +11,9 @@ def test_refresh_memory_by_hand():
     sites = [(6, 4), (4, 2)]  # N x K: 24 and 8 elements
     one = memory.refresh_memory(40, 2, sites, tokens=10, micro_batches=1, dp=1, sums_per_site=5)
     assert one.snapshot == 80 and one.adam == 4 * 32 and one.base_grad == 4 * 32
-    assert one.accumulators == 8 * 5 * 24  # one micro-batch: the largest site's sums only
+    assert one.accumulators == 8 * 4 * 24  # one micro-batch: the largest site's dw + weighing
+    dp2 = memory.refresh_memory(40, 2, sites, tokens=10, micro_batches=1, dp=2, sums_per_site=5)
+    assert dp2.accumulators == 8 * 5 * 24  # with DP its errors are summed until reduced
     assert one.transient == 8 * (3 * 10 * 6 + 2 * 10 * 4) + 4 * 2 * 10 * 6
     many = memory.refresh_memory(40, 2, sites, tokens=10, micro_batches=4, dp=1, sums_per_site=5)
     assert many.accumulators == 8 * 5 * 32 and many.base_grad == 8 * 32  # every site, float64
