@@ -36,13 +36,15 @@ def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torc
     return a.square()
 
 
-def adam_terms(optimizer, site_params: dict, dtype=torch.float64) -> tuple[dict, dict]:
+def adam_terms(optimizer, site_params: dict, dtype=torch.float64, hold=None
+               ) -> tuple[dict, dict]:
     """``({site: A² like the site's local weight},
     {"lr", "beta1", "beta2", "step", "eps"})``.
 
     ``site_params`` maps each local site id to its model parameter (the weight). ``A²`` is
     computed in float64 one site at a time (one site's ``m, v, g`` in float64 at most) and
-    returned in ``dtype`` (float32 holds half as much, rounded to 2^-24 relative).
+    returned in ``dtype`` (float32 holds half as much, rounded to 2^-24 relative), on
+    ``hold`` (a device; None: the weight's) as soon as it is made.
     """
     site_of = {id(p): sid for sid, p in site_params.items()}
     found: dict[str, list] = {}
@@ -63,7 +65,7 @@ def adam_terms(optimizer, site_params: dict, dtype=torch.float64) -> tuple[dict,
     hyper = _agree(hyper)
     sites = sorted(site_params) if sharded else list(found)  # sharded: all ranks, same order
     return {sid: a_squared(_mvg(site_params[sid], found.get(sid, []), sharded),
-                           hyper["beta1"], hyper["beta2"], hyper["eps"]).to(dtype)
+                           hyper["beta1"], hyper["beta2"], hyper["eps"]).to(hold, dtype)
             for sid in sites}, hyper
 
 

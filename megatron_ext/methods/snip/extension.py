@@ -29,6 +29,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from megatron_ext.precision.controller import PlanController
@@ -48,6 +49,7 @@ from megatron_ext.methods.snip.refresh import (WeightSnapshot, adam_squares, col
                                                reduce_statistics)
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
+from megatron_ext.training.distributed import device
 
 def initial_plan(config: SnipConfig, args) -> PrecisionPlan:
     """The base plan before the first refresh (the policies' ``make``): the static
@@ -123,8 +125,16 @@ class SnipRun:
     def after_setup(self, args, run, state) -> None:
         run.checkpointer.register("snip", self)
         if self.config.refreshes:  # before the first step: would a refresh fit?
-            memory.check_fits(memory.of_run(args, run.model, self.config.candidates),
+            memory.check_fits(memory.of_run(args, run.model, self.config.candidates,
+                                            self._hold() is not None),
                               _activations(args))
+
+    def _hold(self) -> torch.device | None:
+        """Where a refresh keeps its snapshot, ``A²`` and base gradients (``--snip-offload``):
+        host memory, or None for the model's device."""
+        offload = self.config.offload
+        host = offload == "host" or (offload == "auto" and device().type == "cuda")
+        return torch.device("cpu") if host else None
 
     # -- schedule ----------------------------------------------------------------------
     def _refresh_due(self, step: int) -> bool:
@@ -141,7 +151,7 @@ class SnipRun:
             self._apply()
             self._apply_s = time.perf_counter() - start
         if self._refresh_due(state.iteration):  # the passes run after the step
-            self._snapshot = (WeightSnapshot(run.model), state.consumed_samples)
+            self._snapshot = (WeightSnapshot(run.model, self._hold()), state.consumed_samples)
 
     def on_step(self, args, run, state) -> dict | None:
         """Metrics of this step: ``snip_apply_s`` (plan switch before it, waiting for the
@@ -155,11 +165,11 @@ class SnipRun:
             start = time.perf_counter()
             snapshot, consumed = self._snapshot
             self._snapshot = None
-            a2, hyper = adam_squares(run.optimizer, run.model)
+            a2, hyper = adam_squares(run.optimizer, run.model, self._hold())
             reduce_s = time.perf_counter() - start
             with snapshot.swapped():
                 observers, loss = collect(args, run, consumed, self.config.candidates,
-                                          self.config.noise, a2=a2)
+                                          self.config.noise, a2=a2, hold=self._hold())
             del snapshot, a2
             collect_s = time.perf_counter() - start - reduce_s
             stats = reduce_statistics(observers, args, self.config.candidates)

@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-noise", type=finite_float, default=1e-2, metavar="EPS",
                    help="probe noise std relative to the gradient's RMS per token (step 2) and "
                         "the input's RMS (step 3)")
+    g.add_argument("--snip-offload", choices=("auto", "host", "none"), default="auto",
+                   help="where a refresh keeps the weight snapshot, AdamW's A² and the base "
+                        "gradients between their uses: host = CPU memory (a site's A² and "
+                        "gradient copied to the model's device while it is in use), none = the "
+                        "model's device; auto (default) = host when the model is on a GPU")
     g.add_argument("--snip-loss-weight", type=finite_float, default=1.0, help="w_L in Q = w_L ΔL + w_W ΔW")
     g.add_argument("--snip-weight-weight", type=finite_float, default=1.0, help="w_W in Q")
     g.add_argument("--snip-time-limit", type=finite_float, default=30.0, help="ILP seconds (HiGHS)")
@@ -75,6 +80,8 @@ class SnipConfig:
     """``--snip-apply-lag``: a refresh's plan lands this many steps after it."""
     noise: float = 1e-2
     """``--snip-noise``: relative probe noise."""
+    offload: str = "auto"
+    """``--snip-offload``: where a refresh holds its snapshot, ``A²`` and base gradients."""
     weights: tuple[float, float] = (1.0, 1.0)
     """``--snip-loss-weight``, ``--snip-weight-weight``: w_L and w_W of Q."""
     solver: SolverConfig = SolverConfig()
@@ -106,6 +113,6 @@ def config_from_args(args: argparse.Namespace) -> SnipConfig | None:
     return SnipConfig(args.precision, cands.all_formats(), tuple(cands.options()),
                       args.snip_budget, args.snip_stage_balance, args.snip_start,
                       args.snip_interval, args.snip_apply_lag, args.snip_noise,
-                      (args.snip_loss_weight, args.snip_weight_weight),
+                      args.snip_offload, (args.snip_loss_weight, args.snip_weight_weight),
                       SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads),
                       args.snip_seed)

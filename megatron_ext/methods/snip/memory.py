@@ -16,8 +16,11 @@ before it, with AdamW's ``A²`` known, so per rank it holds, beyond what a step 
 * ``transient``: the largest site's float64 work in its backward (three M x N tensors:
   ``dy`` or one error of it and its square; two M x K; the quantizer's two M x N FP32).
 
-The dry run shows the total per pipeline stage as its ``extra`` memory; training compares it
-with the memory free after start-up (:func:`check_fits`) before the first step.
+With ``--snip-offload host`` (the default on a GPU) the snapshot, ``A²`` and ``dw`` wait in
+host memory (``host``) and the device holds one site's ``A²`` and ``dw`` at a time.
+
+The dry run shows the device total per pipeline stage as its ``extra`` memory; training
+compares it with the memory free after start-up (:func:`check_fits`) before the first step.
 """
 
 from __future__ import annotations
@@ -50,17 +53,22 @@ class RefreshMemory:
     """Float64 sums over micro-batches: every site's (several micro-batches) or one site's."""
     transient: int
     """The largest site's float64 work in its backward."""
+    host: int = 0
+    """Snapshot, ``A²`` and ``dw`` in host memory (``--snip-offload host``; not in ``total``)."""
 
     @property
     def total(self) -> int:
-        return sum(dataclasses.astuple(self))
+        """Bytes on the model's device."""
+        return sum(dataclasses.astuple(self)) - self.host
 
 
 def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], tokens: int,
-                   micro_batches: int, dp: int, sums_per_site: int) -> RefreshMemory:
+                   micro_batches: int, dp: int, sums_per_site: int, host: bool = False
+                   ) -> RefreshMemory:
     """The refresh's memory of a rank holding ``params`` parameters of ``param_bytes`` each and
     site weights of local shapes ``sites`` (N, K), ``tokens`` rows per micro-batch, with
-    ``sums_per_site`` float64 N x K sums (1 + the x and dy candidates), DP size ``dp``."""
+    ``sums_per_site`` float64 N x K sums (1 + the x and dy candidates), DP size ``dp``;
+    ``host``: snapshot, ``A²`` and ``dw`` offloaded."""
     weights = sum(n * k for n, k in sites)
     largest = max((n * k for n, k in sites), default=0)
     m_n = max((tokens * max(n, k) for n, k in sites), default=0)
@@ -68,8 +76,12 @@ def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], 
     held = weights if micro_batches > 1 else largest
     single = micro_batches == 1 and dp == 1
     sums = 1 + WEIGH_TEMPORARIES if single else sums_per_site
-    return RefreshMemory(params * param_bytes, 4 * weights, (4 if single else 8) * weights,
-                         8 * sums * held, 8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n)
+    dw_bytes = 4 if single else 8
+    kept = params * param_bytes + (4 + dw_bytes) * weights
+    on_device = largest if host else weights  # offloaded: one site's A², dw at a time
+    return RefreshMemory(0 if host else params * param_bytes, 4 * on_device,
+                         dw_bytes * on_device, 8 * sums * held,
+                         8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n, kept if host else 0)
 
 
 def local_sites(shape: ModelShape, layers, tp: int) -> list[tuple[int, int]]:
@@ -88,15 +100,15 @@ def sums_per_site(candidates: dict) -> int:
     return 1 + len(candidates["x"]) + len(candidates["dy"])
 
 
-def of_run(args, model, candidates: dict) -> RefreshMemory:
-    """This rank's refresh memory in a built run."""
+def of_run(args, model, candidates: dict, host: bool = False) -> RefreshMemory:
+    """This rank's refresh memory in a built run (``host``: offloaded)."""
     from megatron_ext.precision.layers import quantized_linears
     params = [p for chunk in model for p in chunk.parameters()]
     sites = [tuple(m.weight.shape) for m in quantized_linears(model).values()]
     return refresh_memory(sum(p.numel() for p in params),
                           params[0].element_size() if params else 4, sites,
                           args.seq_length * args.micro_batch_size, args.num_microbatches,
-                          args.data_parallel, sums_per_site(candidates))
+                          args.data_parallel, sums_per_site(candidates), host)
 
 
 def available_bytes() -> int | None:

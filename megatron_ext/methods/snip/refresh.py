@@ -52,12 +52,13 @@ def _sample_offsets(args, consumed: int) -> list[int]:
             for k in range(args.num_microbatches)]
 
 
-def make_observers(model, candidates: dict, num_layers: int, noise_scale: float
+def make_observers(model, candidates: dict, num_layers: int, noise_scale: float, hold=None
                    ) -> dict[str, SiteObserver]:
-    """An observer on every local site (the last layer's fc2 carries the probe noise)."""
+    """An observer on every local site (the last layer's fc2 carries the probe noise), each
+    keeping its base gradient on ``hold`` between passes (None: the model's device)."""
     noise_site = site_id(num_layers - 1, "fc2")
     return {sid: SiteObserver(sid, module, candidates,
-                              noise_scale if sid == noise_site else 0.0)
+                              noise_scale if sid == noise_site else 0.0, hold)
             for sid, module in quantized_linears(model).items()}
 
 
@@ -86,12 +87,14 @@ def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
 
 
 def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: float,
-            dataset=None, a2: dict | None = None) -> tuple[dict[str, SiteObserver], float]:
+            dataset=None, a2: dict | None = None, hold=None
+            ) -> tuple[dict[str, SiteObserver], float]:
     """Steps 1-3 on the batch at ``consumed_samples`` of ``dataset`` (default: training's)
     as observed passes through ``run.replay``, one isolated RNG stream for the three;
     returns (observers, base loss). With ``a2`` (:func:`adam_squares`) the A-weighted
-    statistics are complete and no N x K tensor outlives its site's backward."""
-    observers = make_observers(run.model, candidates, args.num_layers, noise_scale)
+    statistics are complete and no N x K tensor outlives its site's backward; ``hold``: where
+    the observers keep base gradients between passes (``--snip-offload``)."""
+    observers = make_observers(run.model, candidates, args.num_layers, noise_scale, hold)
     for sid, obs in observers.items():
         if a2 is not None and sid in a2:
             obs.adam_weighted(a2.pop(sid))
@@ -114,20 +117,21 @@ def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: flo
     return observers, loss
 
 
-def adam_squares(optimizer, model) -> tuple[dict, dict]:
-    """After the normal step: (``A²`` of every local site's weight in float32, the AdamW
-    hyper-parameters), for :func:`collect` run after the step."""
+def adam_squares(optimizer, model, hold=None) -> tuple[dict, dict]:
+    """After the normal step: (``A²`` of every local site's weight in float32, on ``hold``
+    (None: the weight's device), the AdamW hyper-parameters), for :func:`collect`."""
     weights = {sid: m.weight for sid, m in quantized_linears(model).items()}
-    return adam_terms(optimizer, weights, torch.float32)
+    return adam_terms(optimizer, weights, torch.float32, hold)
 
 
 class WeightSnapshot:
-    """A copy of every parameter of ``model`` (its own dtype, on its device), taken now;
-    :meth:`swapped` puts it in place for a block and the current values back after."""
+    """A copy of every parameter of ``model`` (its own dtype; on ``hold``, None: its
+    device), taken now; :meth:`swapped` puts it in place for a block and the current values
+    back after."""
 
-    def __init__(self, model):
+    def __init__(self, model, hold=None):
         self.params = [p for chunk in model for p in chunk.parameters()]
-        self.saved = [p.detach().clone() for p in self.params]
+        self.saved = [p.detach().to(hold, copy=True) for p in self.params]
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.saved)
@@ -135,7 +139,7 @@ class WeightSnapshot:
     def _swap(self) -> None:
         with torch.no_grad():
             for p, saved in zip(self.params, self.saved):
-                current = p.detach().clone()
+                current = p.detach().to(saved.device, copy=True)
                 p.copy_(saved)
                 saved.copy_(current)
 

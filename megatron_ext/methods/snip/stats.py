@@ -136,7 +136,7 @@ class SiteObserver:
     """Statistics of one site over a refresh (see the module docstring)."""
 
     def __init__(self, site: str, module, candidates: dict[str, tuple[str, ...]],
-                 noise_scale: float = 0.0):
+                 noise_scale: float = 0.0, hold=None):
         self.site = site
         self.column = isinstance(module, ColumnParallelLinear)
         self.sequence_parallel = bool(getattr(module, "sequence_parallel", False))
@@ -158,7 +158,10 @@ class SiteObserver:
         self._dw = None
         self._g_base = None
         """The base pass's DP-averaged dw for step 3's ``dgF`` (freed there): FP32 with one
-        micro-batch and DP = 1 (exact), else float64."""
+        micro-batch and DP = 1 (exact), else float64; on ``hold``."""
+        self.hold = hold
+        """Where ``_g_base`` waits for step 3 (None: the weight's device; ``--snip-offload``);
+        ``A²`` is given on the device it is held on and copied to the weight's for use."""
         self._probe_dg: dict[str, torch.Tensor] = {}
         self._wgrad_error = {"WGdy": {f: 0.0 for f in candidates["dy"]},
                              "WGx": {f: 0.0 for f in candidates["x"]}}
@@ -284,7 +287,7 @@ class SiteObserver:
         dropped (:meth:`_weigh`'s sum, the same float64 operations); else summed until the
         site's pass is complete."""
         if self._a2 is not None and len(self.sample_offsets) == 1 and self.dp == 1:
-            self.stats[key][f] += float((self._a2 * product.square()).sum())
+            self.stats[key][f] += float((self._a2.to(product.device) * product.square()).sum())
         else:
             self._wgrad_error[key][f] = self._wgrad_error[key][f] + product
 
@@ -355,14 +358,14 @@ class SiteObserver:
         if self.mode == BASE:
             self._weight_stats(weight.detach().double(), dw)
             single = len(self.sample_offsets) == 1 and self.dp == 1  # dw: one FP32 GEMM's
-            self._g_base = dw.float() if single else dw  # FP32 where that is exact
+            self._g_base = (dw.float() if single else dw).to(self.hold)  # FP32 where exact
             for error in (e for errors in self._wgrad_error.values() for e in errors.values()):
                 if self.dp > 1:  # the global-batch error: DP average (already divided by dp)
                     dist.all_reduce(error, group=parallel_state.get_data_parallel_group())
         else:
             backward = self.mode == PROBE_BACKWARD
             key = "dgB" if backward else "dgF"
-            self._probe_dg[key] = dw if backward else dw - self._g_base.double()  # step 2: J^T ξ
+            self._probe_dg[key] = dw if backward else dw - self._g_base.to(dw.device).double()
             self._g_base = None if not backward else self._g_base
             self.stats[key] += float(self._probe_dg[key].square().sum()) / self.dp
         if self._a2 is not None:
@@ -380,13 +383,16 @@ class SiteObserver:
 
     def _weigh(self) -> None:
         """Add ‖A ⊙ e‖² of every complete error tensor and free it."""
+        a2 = None
         for key, errors in self._wgrad_error.items():
             for f, error in errors.items():
                 if torch.is_tensor(error):
-                    self.stats[key][f] += float((self._a2 * error.square()).sum()) / self.dp
+                    a2 = self._a2.to(error.device) if a2 is None else a2
+                    self.stats[key][f] += float((a2 * error.square()).sum()) / self.dp
                     errors[f] = 0.0
         for key, dg in self._probe_dg.items():
-            self.stats[key.replace("dg", "dgA")] += float((self._a2 * dg.square()).sum()) / self.dp
+            a2 = self._a2.to(dg.device) if a2 is None else a2
+            self.stats[key.replace("dg", "dgA")] += float((a2 * dg.square()).sum()) / self.dp
         self._probe_dg = {}
 
     def _weight_stats(self, w: torch.Tensor, dw: torch.Tensor) -> None:

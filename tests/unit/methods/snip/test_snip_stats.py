@@ -281,3 +281,22 @@ def test_adam_known_in_advance_streams_the_same_statistics():
             got = early.stats[key] if isinstance(value, dict) else {"": early.stats[key]}
             for f, v in expect.items():
                 assert got[f] == pytest.approx(v, rel=rel, abs=1e-300), (key, f)
+
+
+def test_offloaded_base_gradient_and_a2_give_the_same_statistics():
+    """``--snip-offload host``: the base gradient waits on the host between passes and ``A²``
+    is copied to the weight's device for use; every statistic is bit-identical to keeping
+    them on the model's device (on CPU both are the host: the copies are exercised)."""
+    torch.manual_seed(7)
+    layer = _layer(RowParallelLinear)
+    x, r = torch.randn(S, B, F), torch.randn(S, B, H)
+    a2 = torch.rand(H, F)
+    runs = []
+    for hold in (None, torch.device("cpu")):
+        obs = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1, hold=hold)
+        obs.adam_weighted(a2)
+        for mode in (BASE, PROBE_BACKWARD, PROBE_FORWARD):
+            _run(layer, obs, x, r, mode)
+        runs.append(obs.stats)
+    assert runs[0] == runs[1]
+    assert runs[0]["dgAF"] > 0 and all(v > 0 for v in runs[0]["WGdy"].values())
