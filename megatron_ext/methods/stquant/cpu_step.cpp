@@ -33,46 +33,55 @@ struct Scalars {
   float decay, lerp_w, beta2, omb2, bias2_sqrt, eps, neg_step;
 };
 
-// The code k (int32) of element j of block b, 4 / 8 / 16 bits (16: the stored int16).
-inline int32_t code_at(const void* codes, int bits, int64_t b, int64_t B, int64_t j) {
-  if (bits == 16) return static_cast<const int16_t*>(codes)[b * B + j];
-  const uint8_t* c = static_cast<const uint8_t*>(codes);
-  if (bits == 8) return c[b * B + j];
-  return (c[b * (B / 2) + j / 2] >> ((j & 1) * 4)) & 0xF;
+// The codes of block b as int32 (16 bits: the stored int16 plus offset).
+void unpack(const void* codes, int bits, int64_t b, int64_t B, int32_t offset, int32_t* k) {
+  if (bits == 16) {
+    const int16_t* c = static_cast<const int16_t*>(codes) + b * B;
+    for (int64_t j = 0; j < B; ++j) k[j] = c[j] + offset;
+  } else if (bits == 8) {
+    const uint8_t* c = static_cast<const uint8_t*>(codes) + b * B;
+    for (int64_t j = 0; j < B; ++j) k[j] = c[j];
+  } else {  // two per byte, low nibble first
+    const uint8_t* c = static_cast<const uint8_t*>(codes) + b * (B / 2);
+    for (int64_t j = 0; j < B / 2; ++j) {
+      k[2 * j] = c[j] & 0xF;
+      k[2 * j + 1] = c[j] >> 4;
+    }
+  }
 }
 
 // Old m of block b into out[0, B): sign-magnitude codes times the scale (16 bits: code * s).
 void load_linear(const Moment& q, int64_t b, int64_t B, int64_t lo, int64_t hi, int64_t first,
-                 float* out) {
+                 int32_t* k, float* out) {
   if (q.bits == 32) {
     std::fill(out, out + B, 0.0f);
     std::memcpy(out + lo, static_cast<const float*>(q.codes) + first, (hi - lo) * 4);
     return;
   }
   const float s = q.scales[b];
+  unpack(q.codes, q.bits, b, B, 0, k);
   if (q.bits == 16) {
-    for (int64_t j = 0; j < B; ++j) out[j] = static_cast<float>(code_at(q.codes, 16, b, B, j)) * s;
+    for (int64_t j = 0; j < B; ++j) out[j] = static_cast<float>(k[j]) * s;
     return;
   }
-  const int32_t mask = (1 << (q.bits - 1)) - 1;
+  const int32_t mask = (1 << (q.bits - 1)) - 1, sign = q.bits - 1;
   for (int64_t j = 0; j < B; ++j) {
-    const int32_t c = code_at(q.codes, q.bits, b, B, j);
-    const float mag = static_cast<float>(c & mask) * s;
-    out[j] = (c >> (q.bits - 1)) ? -mag : mag;
+    const float mag = static_cast<float>(k[j] & mask) * s;
+    out[j] = (k[j] >> sign) ? -mag : mag;
   }
 }
 
 // Old v of block b: vmax * rungs[k].
 void load_log(const Moment& q, const float* rungs, int64_t b, int64_t B, int64_t lo, int64_t hi,
-              int64_t first, float* out) {
+              int64_t first, int32_t* k, float* out) {
   if (q.bits == 32) {
     std::fill(out, out + B, 0.0f);
     std::memcpy(out + lo, static_cast<const float*>(q.codes) + first, (hi - lo) * 4);
     return;
   }
   const float vmax = q.scales[b];
-  const int32_t offset = q.bits == 16 ? 32768 : 0;
-  for (int64_t j = 0; j < B; ++j) out[j] = vmax * rungs[code_at(q.codes, q.bits, b, B, j) + offset];
+  unpack(q.codes, q.bits, b, B, q.bits == 16 ? 32768 : 0, k);
+  for (int64_t j = 0; j < B; ++j) out[j] = vmax * rungs[k[j]];
 }
 
 // The AdamW update of one block (ATen's CPU kernels, as the Triton kernel spells them out).
@@ -191,8 +200,8 @@ void step(torch::Tensor p, torch::Tensor grad, torch::Tensor m_codes, torch::Ten
       std::fill(pb, pb + 2 * B, 0.0f);
       std::memcpy(pb + lo, P + first, (hi - lo) * 4);
       std::memcpy(gb + lo, G + first, (hi - lo) * 4);
-      load_linear(m, b, B, lo, hi, first, mb);
-      load_log(v, rung, b, B, lo, hi, first, vb);
+      load_linear(m, b, B, lo, hi, first, k.data(), mb);
+      load_log(v, rung, b, B, lo, hi, first, k.data(), vb);
       adamw(s, B, pb, gb, mb, vb);
       std::memcpy(P + first, pb + lo, (hi - lo) * 4);
       if (new_bits == 32) {

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.methods.stquant.quantizer import QState, empty_state, log_tables
@@ -66,12 +67,18 @@ def kernel(choice: str):
         if choice == "compiled":
             raise UsageError(f"--stquant-cpu-kernel compiled: the C++ kernel does not build "
                              f"({reason})") from err
-        print(f"stquant: the CPU kernel does not build ({reason}); the CPU optimizer step runs "
-              "the torch path (--stquant-cpu-kernel torch)", flush=True)
+        _say(f"stquant: the CPU kernel does not build ({reason}); the CPU optimizer step runs "
+             "the torch path (--stquant-cpu-kernel torch)")
         return None
-    print(f"stquant: CPU kernel (fused decode, AdamW, encode) built or loaded in "
-          f"{time.perf_counter() - start:.1f} s", flush=True)
+    _say(f"stquant: CPU optimizer step = the fused C++ kernel (--stquant-cpu-kernel {choice}), "
+         f"built or loaded in {time.perf_counter() - start:.1f} s")
     return module
+
+
+def _say(line: str) -> None:
+    """Print ``line`` once per run (rank 0)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
 
 
 @functools.cache
@@ -97,7 +104,8 @@ def step(module, p: torch.Tensor, grad: torch.Tensor, m: QState, v: QState, bits
     rungs = log_tables(m.bits, p.device)[0] if m.bits != 32 else none
     table, cuts = _ladder(bits)
     s = scalars
-    module.step(p, grad, m.codes, _scales(m), m.bits, v.codes, _scales(v), m_new.codes,
+    module.step(p, grad, m.codes.contiguous(), _scales(m), m.bits, v.codes.contiguous(),
+                _scales(v), m_new.codes,
                 _scales(m_new), v_new.codes, _scales(v_new), bits, rungs, table, cuts, m.lead,
                 m.block, [s.decay, s.lerp_weight, s.beta2, s.one_minus_beta2, s.bias2_sqrt,
                           s.eps, s.neg_step_size])
@@ -105,4 +113,4 @@ def step(module, p: torch.Tensor, grad: torch.Tensor, m: QState, v: QState, bits
 
 
 def _scales(q: QState) -> torch.Tensor:
-    return q.scales if q.scales is not None else torch.empty(0)
+    return q.scales.contiguous() if q.scales is not None else torch.empty(0)
