@@ -103,7 +103,7 @@ def check_rows(device: torch.device, numel: int = 1 << 20) -> list[dict]:
         v_q = quantize(torch.rand(numel, generator=gen) * 1e-6, "log", old, 64, lead)
         p_ref = p.clone()
         (m_ref, v_ref), = torch_steps(group, [p_ref], [g], [m_q], [v_q], new, [torch.tensor(3.0)])
-        p_dev = p.to(device)
+        p_dev = p.to(device, copy=True)  # p itself stays the step's input
         opt_state = [_to(q, device) for q in (m_q, v_q)]
         fused = fused_step(group, p_dev, 64, old, new, "compiled")
         got = fused(p_dev, g.to(device), *opt_state, new, StepScalars.of(group, 4.0))
@@ -111,9 +111,11 @@ def check_rows(device: torch.device, numel: int = 1 << 20) -> list[dict]:
             a.scales is None or torch.equal(a.scales.cpu(), b.scales)) for a, b in zip(got, (m_ref, v_ref)))
         update = (p_ref.double() - p.double() * (1 - HYPER["lr"] * HYPER["weight_decay"])).abs()
         diff = (p_dev.cpu().double() - p_ref.double()).abs()
+        ulp = (torch.nextafter(p_ref.abs(), torch.tensor(float("inf"))) - p_ref.abs()).double()
         rows.append({"operation": f"stquant check {old}->{new} bits, lead {lead}",
                      "device": str(device), "codes_bit_identical": same,
                      "param_bit_identical": bool(diff.max() == 0),
+                     "param_within_ulp_tolerance": bool((diff <= ulp + update * 2**-21).all()),
                      "param_max_diff_over_update": float((diff / update.clamp(min=1e-30)).max()),
                      "param_elements_differing": int((diff > 0).sum())})
     return rows
