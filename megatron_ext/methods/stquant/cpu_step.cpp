@@ -177,8 +177,9 @@ void step(torch::Tensor p, torch::Tensor grad, torch::Tensor m_codes, torch::Ten
   const int64_t numel = p.numel(), B = block;
   const int64_t nblocks = (lead + numel + B - 1) / B;
   auto ptr = [](torch::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; };
-  const Moment m{ptr(m_codes), static_cast<const float*>(ptr(m_scales)), static_cast<int>(old_bits)};
-  const Moment v{ptr(v_codes), static_cast<const float*>(ptr(v_scales)), static_cast<int>(old_bits)};
+  const int old_b = static_cast<int>(old_bits);
+  const Moment m{ptr(m_codes), static_cast<const float*>(ptr(m_scales)), old_b};
+  const Moment v{ptr(v_codes), static_cast<const float*>(ptr(v_scales)), old_b};
   const Out mo{ptr(m_out), static_cast<float*>(ptr(ms_out)), static_cast<int>(new_bits)};
   const Out vo{ptr(v_out), static_cast<float*>(ptr(vs_out)), static_cast<int>(new_bits)};
   const Scalars s{float(scalars[0]), float(scalars[1]), float(scalars[2]), float(scalars[3]),
