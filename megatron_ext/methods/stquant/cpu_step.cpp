@@ -71,7 +71,7 @@ void load_linear(const Moment& q, int64_t b, int64_t B, int64_t lo, int64_t hi, 
   }
 }
 
-// Old v of block b: vmax * rungs[k].
+// Old v of block b: vmax * rungs[k] (16 bits: rungs holds the top octave's 2048 rungs).
 void load_log(const Moment& q, const float* rungs, int64_t b, int64_t B, int64_t lo, int64_t hi,
               int64_t first, int32_t* k, float* out) {
   if (q.bits == 32) {
@@ -80,7 +80,16 @@ void load_log(const Moment& q, const float* rungs, int64_t b, int64_t B, int64_t
     return;
   }
   const float vmax = q.scales[b];
-  unpack(q.codes, q.bits, b, B, q.bits == 16 ? 32768 : 0, k);
+  if (q.bits == 16) {  // rungs[k] = 2**-(t >> 11) * rungs[K - (t & 2047)], t = K - k (exact)
+    const int16_t* c = static_cast<const int16_t*>(q.codes) + b * B;
+    for (int64_t j = 0; j < B; ++j) {
+      const int32_t t = 32767 - c[j];
+      const float rung = as_float((127 - (t >> 11)) << 23) * rungs[t & 2047];
+      out[j] = c[j] == -32768 ? 0.0f : vmax * rung;
+    }
+    return;
+  }
+  unpack(q.codes, q.bits, b, B, 0, k);
   for (int64_t j = 0; j < B; ++j) out[j] = vmax * rungs[k[j]];
 }
 

@@ -22,6 +22,8 @@ kernel builds, else the torch path, said in one line). The build is cached on di
 from __future__ import annotations
 
 import functools
+import hashlib
+import platform
 import time
 from pathlib import Path
 
@@ -42,11 +44,22 @@ BUCKET_BITS = 12
 """Mantissa bits that index the rung table."""
 
 
+def _cpu_tag() -> str:
+    """A short digest of this CPU's feature flags: ``-march=native`` code built on one CPU
+    may not run on another, so a shared extension cache keeps one build per kind of CPU."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        text = platform.processor() or platform.machine()
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), text)
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
 def _build():
     from torch.utils.cpp_extension import load_inline
 
     source = SOURCE.read_text(encoding="utf-8")
-    return load_inline(name="megatron_ext_stquant_cpu_step", cpp_sources=[source],
+    return load_inline(name=f"megatron_ext_stquant_cpu_step_{_cpu_tag()}", cpp_sources=[source],
                        functions=["step"], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
 
 
@@ -82,6 +95,23 @@ def _say(line: str) -> None:
 
 
 @functools.cache
+def _rungs(bits: int) -> torch.Tensor:
+    """The rungs the kernel decodes ``bits``-bit codes with: all of them at 4 / 8 bits; at 16
+    the top octave's, ``rungs[K - r]`` for ``r < 2048``, from which every rung is a power-of-two
+    multiple (``rungs[K - 2048 q - r] = 2**-q rungs[K - r]``, checked here): 8 KB instead of
+    a 256 KB table to gather from."""
+    rungs, _ = log_tables(bits, torch.device("cpu"))
+    if bits != 16:
+        return rungs
+    top = rungs.numel() - 1
+    octave = rungs[top - torch.arange(2048)]
+    t = top - torch.arange(1, top + 1)
+    if not torch.equal(torch.ldexp(octave[t % 2048], -(t // 2048).float()), rungs[1:]):
+        raise RuntimeError("the 16-bit rungs are not power-of-two multiples of the top octave's")
+    return octave
+
+
+@functools.cache
 def _ladder(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(table, cuts)`` of the ``bits``-bit ladder: ``cuts`` with ``inf`` appended and
     ``table[i] = #{cuts <= 1 + i / 2**12}``; one placeholder each at 32 bits."""
@@ -101,7 +131,7 @@ def step(module, p: torch.Tensor, grad: torch.Tensor, m: QState, v: QState, bits
     nblocks = -(-(m.lead + m.numel) // m.block)
     m_new, v_new = empty_state(m, "linear", bits, nblocks), empty_state(v, "log", bits, nblocks)
     none = torch.empty(0)
-    rungs = log_tables(m.bits, p.device)[0] if m.bits != 32 else none
+    rungs = _rungs(m.bits) if m.bits != 32 else none
     table, cuts = _ladder(bits)
     s = scalars
     module.step(p, grad, m.codes.contiguous(), _scales(m), m.bits, v.codes.contiguous(),
