@@ -16,7 +16,8 @@ at 16 bits they are ``2**(1/2048)`` apart, more than a bucket's ``2**-12``).
 
 **Choice** (``--stquant-cpu-kernel``): ``compiled``, ``torch`` or ``auto`` (compiled when the
 kernel builds, else the torch path, said in one line). The build is cached on disk by torch
-(``TORCH_EXTENSIONS_DIR``): the first build takes ~30-60 s, later processes load it in ~1 s.
+(``TORCH_EXTENSIONS_DIR``), one per kind of CPU: the first takes ~20 s of CPU, later
+processes load it in 0.1-1 s.
 """
 
 from __future__ import annotations
