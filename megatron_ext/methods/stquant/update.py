@@ -95,7 +95,8 @@ def fused_step(group: dict, p: torch.Tensor, block: int, old: int, new: int,
     if p.is_cuda:
         takes = triton_step is not None and triton_step.supports(p, block, old, new)
         return triton_step.step if takes else None
-    if p.device.type != "cpu" or p.dtype != torch.float32 or (old, new) == (32, 32):
+    if (p.device.type != "cpu" or p.dtype != torch.float32 or p.grad.dtype != torch.float32
+            or (old, new) == (32, 32)):
         return None
     module = cpu_step.kernel(cpu_kernel)
     return None if module is None else functools.partial(cpu_step.step, module)

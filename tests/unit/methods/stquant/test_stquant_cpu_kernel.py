@@ -65,6 +65,15 @@ def test_quantized_adamw_steps_as_the_torch_path(module):
             assert ((a - b).abs() <= t * (ulp + 2**-21 * 10 * 1e-2)).all()
 
 
+def test_the_build_says_its_time_once(module, capsys):
+    cpu_step.kernel.cache_clear()  # loaded again from torch's cache
+    assert cpu_step.kernel("auto") is cpu_step.kernel("auto") is not None
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and re.fullmatch(re.escape(
+        "stquant: CPU optimizer step = the fused C++ kernel (--stquant-cpu-kernel auto), built "
+        "or loaded in ") + r"\d+\.\d s", out[0]), out
+
+
 @pytest.fixture
 def broken_compiler(monkeypatch):
     def fail():
