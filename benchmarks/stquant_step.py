@@ -109,8 +109,9 @@ def check_rows(device: torch.device, numel: int = 1 << 20) -> list[dict]:
         (m_ref, v_ref), = torch_steps(group, [p_ref], [g], [m_q], [v_q], new, [torch.tensor(3.0)])
         p_dev = p.to(device, copy=True)  # p itself stays the step's input
         opt_state = [_to(q, device) for q in (m_q, v_q)]
+        p_dev.grad = g.to(device)
         fused = fused_step(group, p_dev, 64, old, new, "compiled")
-        got = fused(p_dev, g.to(device), *opt_state, new, StepScalars.of(group, 4.0))
+        got = fused(p_dev, p_dev.grad, *opt_state, new, StepScalars.of(group, 4.0))
         same = all(torch.equal(a.codes.cpu(), b.codes) and (
             a.scales is None or torch.equal(a.scales.cpu(), b.scales)) for a, b in zip(got, (m_ref, v_ref)))
         update = (p_ref.double() - p.double() * (1 - HYPER["lr"] * HYPER["weight_decay"])).abs()

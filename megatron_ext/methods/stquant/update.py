@@ -86,8 +86,8 @@ class StepScalars:
 
 def fused_step(group: dict, p: torch.Tensor, block: int, old: int, new: int,
                cpu_kernel: str) -> Callable | None:
-    """The fused step that takes this update — ``f(p, grad, m, v, bits, scalars)`` — or None
-    for the torch path: the Triton kernel on CUDA, the compiled kernel on CPU when
+    """The fused step that takes the update of ``p`` (with its ``.grad``) — ``f(p, grad, m,
+    v, bits, scalars)`` — or None for the torch path: the Triton kernel on CUDA, the compiled kernel on CPU when
     ``cpu_kernel`` (``--stquant-cpu-kernel``) gives one; plain AdamW settings only."""
     plain = not any(group.get(k, False) for k in ("maximize", "capturable", "differentiable"))
     if not plain or not isinstance(group["lr"], float):
