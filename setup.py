@@ -6,6 +6,7 @@ setup(
     version="0.1.0",
     description="megatron-core pretraining of GPT/Llama with adaptive per-layer mixed precision",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    package_data={"megatron_ext.methods.stquant": ["cpu_step.cpp"]},  # built at run time
     python_requires=">=3.11",
     # Ranges, not pins: `pip install -e .` inside a GPU user's environment (NGC container,
     # cluster module) must keep their CUDA build of torch and its triton. The exact versions

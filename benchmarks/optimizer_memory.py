@@ -36,10 +36,14 @@ OPTIMIZERS = {
     "stquant": ["--optimizer", "stquant-adamw"],
     "stquant-4bit": ["--optimizer", "stquant-adamw", "--stquant-fixed-bits", "4"],
     "stquant-8bit": ["--optimizer", "stquant-adamw", "--stquant-fixed-bits", "8"],
+    "stquant-torch": ["--optimizer", "stquant-adamw", "--stquant-cpu-kernel", "torch"],
+    "stquant-8bit-torch": ["--optimizer", "stquant-adamw", "--stquant-fixed-bits", "8",
+                           "--stquant-cpu-kernel", "torch"],
     "torchao-8bit": ["--optimizer", "adam"],
     "torchao-4bit": ["--optimizer", "adam"],
 }
-"""Name -> pretrain flags (the torchao ones also swap the inner optimizer in the worker)."""
+"""Name -> pretrain flags (the torchao ones also swap the inner optimizer in the worker). On
+CPU, ``stquant*`` steps with the compiled kernel, ``*-torch`` with the torch path."""
 
 
 def _tensor_bytes(t, seen: set) -> int:

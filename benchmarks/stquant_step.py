@@ -28,11 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_ext.methods.stquant.adamw import QuantizedAdamW, Slot  # noqa: E402
-from megatron_ext.methods.stquant.update import StepScalars, torch_steps  # noqa: E402
+from megatron_ext.methods.stquant.update import StepScalars, fused_step, torch_steps  # noqa: E402
 from megatron_ext.methods.stquant.quantizer import quantize  # noqa: E402
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 """AdamW settings of every row."""
+
+DEFAULT_NAMES = ("adamw", "adamw-fused", "stquant-8", "stquant-4", "stquant-16")
+"""The rows without ``--optimizers``."""
 
 MIN_NUMEL = 4096
 """Smallest parameter STQuant quantizes (``--stquant-min-numel``'s default)."""
@@ -59,33 +62,41 @@ def make_params(shapes, device) -> list[torch.Tensor]:
 
 
 def optimizer(name: str, params):
-    """``adamw`` (torch's default implementation), ``adamw-fused`` or ``stquant-<bits>``."""
+    """``adamw`` (torch's default implementation), ``adamw-fused``, ``stquant-<bits>`` (on
+    CPU the compiled kernel) or ``stquant-<bits>-torch`` (the torch path)."""
     if name.startswith("adamw"):
         return torch.optim.AdamW(params, fused=name == "adamw-fused" or None, **HYPER)
     bits = int(name.split("-")[1])
     slots = {p: Slot(i) for i, p in enumerate(params) if p.numel() >= MIN_NUMEL}
-    return QuantizedAdamW(params, slots, lambda: [bits] * len(params), **HYPER)
+    kernel = "torch" if name.endswith("-torch") else "compiled"
+    return QuantizedAdamW(params, slots, lambda: [bits] * len(params), **HYPER,
+                          cpu_kernel=kernel)
 
 
-def step_seconds(opt, device: torch.device, iters: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""``--clock``: wall time, or this process's CPU time (on a loaded CPU machine)."""
+
+
+def step_seconds(opt, device: torch.device, iters: int, clock: str = "wall") -> float:
     """Mean seconds per ``opt.step()`` after two warm-up steps, best of three."""
     opt.step(), opt.step()
-    best = float("inf")
+    best, now = float("inf"), CLOCKS[clock]
     for _ in range(3):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(iters):
             opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / iters)
+        best = min(best, (now() - t0) / iters)
     return best
 
 
 def check_rows(device: torch.device, numel: int = 1 << 20) -> list[dict]:
-    """One fused step per width change on ``device`` against the torch path on CPU: codes
-    and scales equal, and the parameter's largest difference in units of its update."""
+    """One fused step per width change on ``device`` (Triton on CUDA, the compiled kernel on
+    CPU) against the torch path on CPU: codes and scales equal, and the parameter's largest
+    difference in units of its update."""
     group = dict(HYPER, amsgrad=False, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=True)
     rows = []
@@ -96,22 +107,20 @@ def check_rows(device: torch.device, numel: int = 1 << 20) -> list[dict]:
         v_q = quantize(torch.rand(numel, generator=gen) * 1e-6, "log", old, 64, lead)
         p_ref = p.clone()
         (m_ref, v_ref), = torch_steps(group, [p_ref], [g], [m_q], [v_q], new, [torch.tensor(3.0)])
-        p_dev = p.to(device)
+        p_dev = p.to(device, copy=True)  # p itself stays the step's input
         opt_state = [_to(q, device) for q in (m_q, v_q)]
-        if device.type == "cuda":
-            from megatron_ext.methods.stquant import triton_step
-            got = triton_step.step(p_dev, g.to(device), *opt_state, new,
-                                   StepScalars.of(group, 4.0))
-        else:
-            got, = torch_steps(group, [p_dev], [g.to(device)], *([q] for q in opt_state), new,
-                               [torch.tensor(3.0)])
+        p_dev.grad = g.to(device)
+        fused = fused_step(group, p_dev, 64, old, new, "compiled")
+        got = fused(p_dev, p_dev.grad, *opt_state, new, StepScalars.of(group, 4.0))
         same = all(torch.equal(a.codes.cpu(), b.codes) and (
             a.scales is None or torch.equal(a.scales.cpu(), b.scales)) for a, b in zip(got, (m_ref, v_ref)))
         update = (p_ref.double() - p.double() * (1 - HYPER["lr"] * HYPER["weight_decay"])).abs()
         diff = (p_dev.cpu().double() - p_ref.double()).abs()
+        ulp = (torch.nextafter(p_ref.abs(), torch.tensor(float("inf"))) - p_ref.abs()).double()
         rows.append({"operation": f"stquant check {old}->{new} bits, lead {lead}",
                      "device": str(device), "codes_bit_identical": same,
                      "param_bit_identical": bool(diff.max() == 0),
+                     "param_within_ulp_tolerance": bool((diff <= ulp + update * 2**-21).all()),
                      "param_max_diff_over_update": float((diff / update.clamp(min=1e-30)).max()),
                      "param_elements_differing": int((diff > 0).sum())})
     return rows
@@ -125,8 +134,8 @@ def _to(q, device):
 
 
 def run(device, layers: int = 8, hidden: int = 2048, ffn: int = 5632, vocab: int = 32000,
-        names=("adamw", "adamw-fused", "stquant-8", "stquant-4", "stquant-16"),
-        iters: int = 5, check_numel: int = 1 << 20) -> list[dict]:
+        names=DEFAULT_NAMES,
+        iters: int = 5, check_numel: int = 1 << 20, clock: str = "wall") -> list[dict]:
     """One row per optimizer (ms per step, GB/s of parameters stepped, ratio to ``adamw``
     and to ``adamw-fused``), then the check rows (``check_numel`` elements each; 0: none)."""
     device = torch.device(device)
@@ -137,7 +146,7 @@ def run(device, layers: int = 8, hidden: int = 2048, ffn: int = 5632, vocab: int
         if name == "adamw-fused" and device.type != "cuda":
             continue
         params = make_params(shapes, device)
-        times[name] = step_seconds(optimizer(name, params), device, iters)
+        times[name] = step_seconds(optimizer(name, params), device, iters, clock)
         del params
     base = times.get("adamw")
     rows = [{"operation": f"optimizer step {name}", "device": str(device), "params": numel,
@@ -159,11 +168,17 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=5, help="timed steps per round (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
     p.add_argument("--no-check", action="store_true", help="skip the check rows")
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="wall time (default) or this process's CPU time (CPU, loaded machine)")
+    p.add_argument("--optimizers", nargs="+", default=None, metavar="NAME",
+                   help="rows: adamw, adamw-fused, stquant-<bits>, stquant-<bits>-torch "
+                        "(default adamw adamw-fused stquant-8 stquant-4 stquant-16)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     for row in run(args.device, args.layers, args.hidden_size, args.ffn_hidden_size,
-                   args.vocab_size, iters=args.iters, check_numel=0 if args.no_check else 1 << 20):
+                   args.vocab_size, names=args.optimizers or DEFAULT_NAMES, iters=args.iters,
+                   check_numel=0 if args.no_check else 1 << 20, clock=args.clock):
         print(json.dumps(row))
 
 

@@ -19,8 +19,8 @@ state — what the next step starts from — is quantized in both. At 32 bits th
 bit-identical to ``torch.optim.AdamW``. Parameters without a layer (tensors smaller than the
 quantization floor) keep ordinary float32 ``exp_avg`` / ``exp_avg_sq`` tensors.
 
-How the step runs (the torch path batched over a group's parameters, or one fused Triton
-kernel per CUDA parameter): :mod:`.update`.
+How the step runs (the torch path batched over a group's parameters, or one fused kernel per
+parameter: Triton on CUDA, compiled C++ on CPU): :mod:`.update`.
 
 Widths come from a callable (``widths() -> list[int]``, indexed by layer), read once per step:
 the allocator (:mod:`.allocator`) changes them between steps, a test can fix them.
@@ -52,7 +52,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, slots: dict, widths: Callable[[], Sequence[int]], block: int = 64,
                  lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, cpu_kernel: str = "torch"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False, foreach=None, capturable=False, differentiable=False,
                         fused=None, decoupled_weight_decay=True)
@@ -61,15 +61,19 @@ class QuantizedAdamW(torch.optim.Optimizer):
         """``{param: Slot}``; a parameter not in it keeps float32 state."""
         self.widths = widths
         self.block = block
+        self.cpu_kernel = cpu_kernel
+        """How CPU parameters step: ``compiled``, ``torch`` or ``auto``
+        (``--stquant-cpu-kernel``, :mod:`.cpu_step`)."""
 
     @classmethod
-    def replacing(cls, inner: torch.optim.Optimizer, slots: dict, widths, block: int):
+    def replacing(cls, inner: torch.optim.Optimizer, slots: dict, widths, block: int,
+                  cpu_kernel: str = "torch"):
         """Take over ``inner``'s parameter groups — the same dict objects, so megatron's
         references to them and the LR scheduler's writes stay valid. ``inner`` must not have
         stepped yet."""
         if any(inner.state.values()):
             raise ValueError("the optimizer being replaced already has state")
-        new = cls([{"params": []}], slots, widths, block)
+        new = cls([{"params": []}], slots, widths, block, cpu_kernel=cpu_kernel)
         new.defaults = dict(inner.defaults)
         new.param_groups = inner.param_groups
         return new
@@ -115,7 +119,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
                     quantized.append((p, state, widths[slot.layer]))
             if plain[0]:
                 adam_(group, *plain)
-            update_quantized(group, quantized, self.block)
+            update_quantized(group, quantized, self.block, self.cpu_kernel)
         return loss
 
     def dequantized_state(self, p: torch.Tensor) -> dict | None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 import torch.distributed as dist
 
 from megatron_ext.extension import Extension
-from megatron_ext.methods.stquant import dry_run
+from megatron_ext.methods.stquant import cpu_step, dry_run
 from megatron_ext.methods.stquant.flags import ENABLED_BY, OPTIMIZER, active, add_arguments, \
     config_from_args
 from megatron_ext.methods.stquant.optimizer import STQuantConfig, STQuantOptimizer
@@ -46,6 +47,8 @@ class StquantRun:
     def wrap_optimizer(self, args, model, optimizer):
         if self.config is None:
             return optimizer
+        if self.config.cpu_kernel != "torch" and not torch.cuda.is_available():
+            cpu_step.kernel(self.config.cpu_kernel)  # built now: its time or fallback said once
         return STQuantOptimizer(optimizer, model, self.config)
 
     def on_step(self, args, run, state):

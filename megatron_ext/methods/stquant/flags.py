@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_ext.errors import UsageError, finite_float
+from megatron_ext.methods.stquant.cpu_step import CHOICES as CPU_KERNELS
 from megatron_ext.methods.stquant.optimizer import STQuantConfig
 from megatron_ext.methods.stquant.quantizer import BITS
 from megatron_ext.methods.stquant.score import ScoreConfig, auto_tau
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stquant-dry-run-bits", type=int, choices=BITS, default=None,
                    help="--dry-run: the width every layer's m, v is counted at in the "
                         "optimizer memory (default: --stquant-fixed-bits if given, else 8)")
+    g.add_argument("--stquant-cpu-kernel", choices=CPU_KERNELS, default="auto",
+                   help="how the optimizer step runs on CPU: 'compiled' = one fused C++ pass "
+                        "per block (decode m, v, AdamW, encode; built at start-up, cached on "
+                        "disk; codes identical to the torch path's, the parameter within an "
+                        "ulp), 'torch' = the torch path, 'auto' = compiled when a C++ compiler "
+                        "builds it, else torch (one start-up line says which)")
 
 
 def active(args: argparse.Namespace) -> bool:
@@ -72,4 +79,5 @@ def config_from_args(args: argparse.Namespace) -> STQuantConfig | None:
     score = ScoreConfig(tau=tau, phi=args.stquant_phi, thresholds=tuple(args.stquant_thresholds),
                         alpha=args.stquant_ema, update_every=args.stquant_update_every)
     return STQuantConfig(score, block, args.stquant_min_numel, args.stquant_fixed_bits,
-                         args.stquant_dry_run_bits or args.stquant_fixed_bits or 8)
+                         args.stquant_dry_run_bits or args.stquant_fixed_bits or 8,
+                         args.stquant_cpu_kernel)

@@ -51,6 +51,10 @@ class STQuantConfig:
     dry_run_bits: int = 8
     """The width ``--dry-run`` counts every layer's m, v at (``--stquant-dry-run-bits``, else
     ``fixed_bits``, else 8)."""
+    cpu_kernel: str = "torch"
+    """How CPU parameters step (``--stquant-cpu-kernel``): ``compiled`` (the fused C++
+    kernel, :mod:`.cpu_step`), ``torch`` (the torch path) or ``auto`` (compiled when it
+    builds, else torch)."""
 
 
 class STQuantOptimizer:
@@ -68,7 +72,8 @@ class STQuantOptimizer:
             slots = {e.param.main: Slot(e.layer, e.param.start % config.block)
                      for e in entries if e.param.sub is sub}
             sub.optimizer = QuantizedAdamW.replacing(sub.optimizer, slots,
-                                                     self.allocator.widths, config.block)
+                                                     self.allocator.widths, config.block,
+                                                     config.cpu_kernel)
         self.block = config.block
         """Quantization block size (a loaded state is requantized on it)."""
         ready = optimizer.step_with_ready_grads

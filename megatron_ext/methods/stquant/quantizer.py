@@ -103,6 +103,20 @@ class QState:
         return QState(**saved)
 
 
+def empty_state(like: QState, mode: str, bits: int, nblocks: int) -> QState:
+    """An unfilled QState of ``like``'s shard (``nblocks`` blocks) at ``bits`` bits, for a
+    fused step to write."""
+    dev, block = like.codes.device, like.block
+    if bits == 32:
+        codes, scales = torch.empty(like.numel, dtype=torch.float32, device=dev), None
+    else:
+        width = block // 2 if bits == 4 else block
+        dtype = torch.int16 if bits == 16 else torch.uint8
+        codes = torch.empty(nblocks, width, dtype=dtype, device=dev)
+        scales = torch.empty(nblocks, 1, dtype=torch.float32, device=dev)
+    return QState(mode, bits, like.numel, like.lead, block, codes, scales)
+
+
 def _blocks(x: torch.Tensor, block: int, lead: int) -> torch.Tensor:
     """``x`` placed at ``lead`` in a zero-padded ``(nblocks, block)`` float32 view."""
     nblocks = math.ceil((lead + x.numel()) / block)

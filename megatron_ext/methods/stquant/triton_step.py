@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_ext.methods.stquant.quantizer import QState, log_tables
+from megatron_ext.methods.stquant.quantizer import QState, empty_state, log_tables
 
 __all__ = ["ROWS", "step", "supports"]
 
@@ -177,26 +177,13 @@ def _step_kernel(
                BLOCK)  # fmt: skip
 
 
-def _empty_state(like: QState, mode: str, bits: int, nblocks: int) -> QState:
-    """An unfilled QState of ``like``'s shard at ``bits`` bits."""
-    dev, block = like.codes.device, like.block
-    if bits == 32:
-        codes, scales = torch.empty(like.numel, dtype=torch.float32, device=dev), None
-    else:
-        width = block // 2 if bits == 4 else block
-        dtype = torch.int16 if bits == 16 else torch.uint8
-        codes = torch.empty(nblocks, width, dtype=dtype, device=dev)
-        scales = torch.empty(nblocks, 1, dtype=torch.float32, device=dev)
-    return QState(mode, bits, like.numel, like.lead, block, codes, scales)
-
-
 def step(p: torch.Tensor, grad: torch.Tensor, m: QState, v: QState, bits: int,
          scalars) -> tuple[QState, QState]:
     """Update the contiguous float32 ``p`` in place from ``grad`` and return the new ``m``,
     ``v`` at ``bits`` bits (``scalars``: an ``adamw.StepScalars``)."""
     nblocks = -(-(m.lead + m.numel) // m.block)
-    m_new = _empty_state(m, "linear", bits, nblocks)
-    v_new = _empty_state(v, "log", bits, nblocks)
+    m_new = empty_state(m, "linear", bits, nblocks)
+    v_new = empty_state(v, "log", bits, nblocks)
     dummy = torch.zeros(1, dtype=torch.float32, device=p.device)
     rungs = log_tables(m.bits, p.device)[0] if m.bits != 32 else dummy
     cuts = log_tables(bits, p.device)[1] if bits != 32 else dummy

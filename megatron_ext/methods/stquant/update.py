@@ -11,19 +11,23 @@ block, so this is bit for bit the same as stepping each parameter alone (the pad
 zero: ``m = v = p = g = 0`` is a fixed point of the update). A few large ops in place of ~60
 small ones per parameter.
 
-**Triton** (:mod:`.triton_step`, CUDA): one kernel per parameter; codes bit for bit the torch
-path's, the parameter within an ulp (see there).
+**Fused kernels**, one call per parameter, codes bit for bit the torch path's, the parameter
+within an ulp (see there): :mod:`.triton_step` on CUDA, :mod:`.cpu_step` (compiled C++) on
+CPU unless ``--stquant-cpu-kernel torch``.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from torch.optim.adam import adam as torch_adam
 
+from megatron_ext.methods.stquant import cpu_step
 from megatron_ext.methods.stquant.quantizer import (QState, _blocks, dequantize_blocks,
                                                     quantize_blocks)
 
@@ -80,24 +84,36 @@ class StepScalars:
         return cls(*(struct.unpack("f", struct.pack("f", x))[0] for x in values))
 
 
-def kernel_takes(group: dict, p: torch.Tensor, block: int, old: int, new: int) -> bool:
-    """Whether the fused Triton step applies (plain AdamW settings, a CUDA parameter)."""
+def fused_step(group: dict, p: torch.Tensor, block: int, old: int, new: int,
+               cpu_kernel: str) -> Callable | None:
+    """The fused step that takes the update of ``p`` (with its ``.grad``) — ``f(p, grad, m,
+    v, bits, scalars)`` — or None for the torch path: the Triton kernel on CUDA, the compiled kernel on CPU when
+    ``cpu_kernel`` (``--stquant-cpu-kernel``) gives one; plain AdamW settings only."""
     plain = not any(group.get(k, False) for k in ("maximize", "capturable", "differentiable"))
-    return (triton_step is not None and plain and isinstance(group["lr"], float)
-            and triton_step.supports(p, block, old, new))
+    if not plain or not isinstance(group["lr"], float):
+        return None
+    if p.is_cuda:
+        takes = triton_step is not None and triton_step.supports(p, block, old, new)
+        return triton_step.step if takes else None
+    if (p.device.type != "cpu" or p.dtype != torch.float32 or p.grad.dtype != torch.float32
+            or (old, new) == (32, 32)):
+        return None
+    module = cpu_step.kernel(cpu_kernel)
+    return None if module is None else functools.partial(cpu_step.step, module)
 
 
-def update_quantized(group: dict, items: list, block: int) -> None:
+def update_quantized(group: dict, items: list, block: int, cpu_kernel: str = "torch") -> None:
     """Step the quantized parameters ``items`` (``(p, state, bits)``, ``bits`` the width to
-    store at) of one group: the fused kernel where it applies, else the torch path, batched
-    by (stored width, new width, step count, device)."""
+    store at) of one group: a fused kernel where one applies (:func:`fused_step`), else the
+    torch path, batched by (stored width, new width, step count, device)."""
     batches = defaultdict(list)
     for p, state, bits in items:
         m_q, v_q = state["exp_avg"], state["exp_avg_sq"]
-        if kernel_takes(group, p, block, m_q.bits, bits):
+        fused = fused_step(group, p, block, m_q.bits, bits, cpu_kernel)
+        if fused is not None:
             state["step"] += 1
             scalars = StepScalars.of(group, state["step"].item())
-            state["exp_avg"], state["exp_avg_sq"] = triton_step.step(
+            state["exp_avg"], state["exp_avg_sq"] = fused(
                 p.view(-1), p.grad.view(-1), m_q, v_q, bits, scalars)
         else:
             batches[m_q.bits, bits, state["step"].item(), p.device].append((p, state))
