@@ -11,8 +11,8 @@ a random error grows like √N. :func:`measure` measures which, on a loaded chec
 * **per site and option**: the same N steps with only that site under that option
   (:class:`~megatron_ext.precision.site_formats.SiteFormats`, every GEMM that reads a role);
 
-and after each N of ``steps``: the weight divergence ``(1/S) Σ_l ‖W'_l - W_l‖ / ‖W_l‖`` over
-the ``S`` site weights against the reference at the same step (Definition 4.4), and the
+and after each N of ``steps``: the weight divergence ``(1/S) Σ_l ‖W'_l - W_l‖ / ‖W_l‖``
+over the ``S`` site weights against the reference at the same step (Definition 4.4), and the
 held-out loss (the first ``eval_batches`` validation batches) minus the reference's, with
 nothing quantized (the weights' damage, ``dloss``) and with the option in place (what a run's
 validation sees, ``dloss_plan``). Alongside, SNIP's one-step estimates of the same options

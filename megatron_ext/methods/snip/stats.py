@@ -337,8 +337,8 @@ class SiteObserver:
     def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
         """Noise ``ξ`` that replaces the gradient of the last layer's output (a tensor hook);
         records ‖ξ‖². Each token's noise is relative to that token's gradient RMS, as a
-        block-scaled format's error is; isotropic, or shaped by :attr:`probe_map`. That output is this site's: sequence-sharded over TP
-        under SP, else replicated."""
+        block-scaled format's error is; isotropic, or shaped by :attr:`probe_map`. That output
+        is this site's: sequence-sharded over TP under SP, else replicated."""
         shard = 0 if self.sequence_parallel else None
         sigma = self.noise_scale * grad.detach().double().square().mean(-1, keepdim=True).sqrt()
         if self.probe_map is None:
