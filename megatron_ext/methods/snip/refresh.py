@@ -97,8 +97,7 @@ def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
 
 
 def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: float,
-            dataset=None, a2: dict | None = None, hold=None,
-            probe: str = "isotropic"
+            dataset=None, a2: dict | None = None, hold=None, probe: str = "isotropic"
             ) -> tuple[dict[str, SiteObserver], float]:
     """Steps 1-3 on the batch at ``consumed_samples`` of ``dataset`` (default: training's)
     as observed passes through ``run.replay``, one isolated RNG stream for the three;
