@@ -3,6 +3,7 @@
     python benchmarks/snip_estimator.py                 # train 200 steps, then check
     python benchmarks/snip_estimator.py --train-iters 50 --out est.png
     python benchmarks/snip_estimator.py --run-dir runs/est   # keep (or reuse) the trained run
+    python benchmarks/snip_estimator.py --run-dir runs/est --probe dgrad   # dgrad-shaped probe
 
 Trains the ``tiny`` Llama on the embedded corpus (``pretrain_llama.py`` in a child process,
 saving a checkpoint), loads it here in one process and runs
@@ -34,29 +35,36 @@ def _train(run_dir: Path, iters: int, extra: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
 
 
-def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int = 1,
-              fp4: str = "fp4"):
+def load_run(load: Path, out_dir: Path, extra: list[str]):
+    """(args, run) of the tiny Llama loaded from ``load`` (a save root or one iteration
+    directory) in this process, its precision plan overridable, nothing saved."""
     from megatron_ext.defaults import default_extensions
-    from megatron_ext.methods.snip.groundtruth import check
-    from megatron_ext.methods.snip.candidates import parse_candidates
-    from megatron_ext.precision.policies import UNIFORM
     from megatron_ext.training.arguments import parse_args
     from megatron_ext import extension as ext
     from megatron_ext.training.pretrain import setup
 
     exts = default_extensions()
-    args = parse_args("llama", ["--load", str(run_dir / "checkpoints"), "--no-save",
+    args = parse_args("llama", ["--load", str(load), "--no-save",
                                 "--use-checkpoint-opt_param-scheduler",
                                 "--precision", "uniform:bf16", "--override-precision-plan",
-                                "--run-dir", str(run_dir / "check"), *extra],
+                                "--run-dir", str(out_dir), *extra],
                       ext.args_provider(exts))
     for e in exts:
         if e.validate:
             e.validate(args)
-    run = setup(args, exts)
+    return args, setup(args, exts)
+
+
+def run_check(run_dir: Path, extra: list[str], noise: float, loss_batches: int = 1,
+              fp4: str = "fp4", probe: str = "isotropic"):
+    from megatron_ext.methods.snip.groundtruth import check
+    from megatron_ext.methods.snip.candidates import parse_candidates
+    from megatron_ext.precision.policies import UNIFORM
+
+    args, run = load_run(run_dir / "checkpoints", run_dir / "check", extra)
     cands = parse_candidates(f"fp8,{fp4}").all_formats()
     return check(args, run, run.datasets[1], UNIFORM[fp4], UNIFORM["bf16"].__class__(),
-                 cands, noise, loss_batches)
+                 cands, noise, loss_batches, probe)
 
 
 def _plot(result, path: str) -> None:
@@ -112,6 +120,9 @@ def main(argv=None) -> int:
                    help="the low format whose effect is estimated and measured: the tile-scaled "
                         "FP4 recipe, or E2M1 with one scale per tensor, round to nearest (the "
                         "comparison regime's, docs/compare.md)")
+    p.add_argument("--probe", default="isotropic", choices=("isotropic", "dgrad"),
+                   help="--snip-probe of the estimate: isotropic backward-probe noise, or "
+                        "shaped like a dgrad error (docs/snip.md)")
     p.add_argument("--json", default=None, help="write every number of the check here")
     p.add_argument("--run-dir", default=None,
                    help="train into this directory and keep it; when it already holds "
@@ -122,7 +133,8 @@ def main(argv=None) -> int:
         run_dir = Path(opts.run_dir or Path(tmp) / "run")
         if not (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
             _train(run_dir, opts.train_iters, extra)
-        result = run_check(run_dir, extra, opts.noise, opts.loss_batches, opts.fp4)
+        result = run_check(run_dir, extra, opts.noise, opts.loss_batches, opts.fp4,
+                           opts.probe)
     _report(result)
     if opts.json:
         Path(opts.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))

@@ -169,7 +169,8 @@ class SnipRun:
             reduce_s = time.perf_counter() - start
             with snapshot.swapped():
                 observers, loss = collect(args, run, consumed, self.config.candidates,
-                                          self.config.noise, a2=a2, hold=self._hold())
+                                          self.config.noise, a2=a2, hold=self._hold(),
+                                          probe=self.config.probe)
             del snapshot, a2
             collect_s = time.perf_counter() - start - reduce_s
             stats = reduce_statistics(observers, args, self.config.candidates)

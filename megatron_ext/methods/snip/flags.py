@@ -13,6 +13,7 @@ from megatron_ext.errors import UsageError, finite_float
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.candidates import DEFAULT_CANDIDATES, parse_candidates
+from megatron_ext.methods.snip.probe_noise import PROBES
 from megatron_ext.precision.site_formats import SiteFormats
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
@@ -45,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "gradients between their uses: host = CPU memory (a site's A² and "
                         "gradient copied to the model's device while it is in use), none = the "
                         "model's device; auto (default) = host when the model is on a GPU")
+    g.add_argument("--snip-probe", choices=PROBES, default="isotropic",
+                   help="the backward probe's noise (step 2): isotropic per token (the "
+                        "paper's), or dgrad: shaped like a dgrad error entering the residual "
+                        "stream, ε·[W_qkv⊙γ; W_fc1⊙γ] of the last layer (tensor-model-"
+                        "parallel-size 1 only; docs/snip.md)")
     g.add_argument("--snip-loss-weight", type=finite_float, default=1.0, help="w_L in Q = w_L ΔL + w_W ΔW")
     g.add_argument("--snip-weight-weight", type=finite_float, default=1.0, help="w_W in Q")
     g.add_argument("--snip-time-limit", type=finite_float, default=30.0, help="ILP seconds (HiGHS)")
@@ -82,6 +88,8 @@ class SnipConfig:
     """``--snip-noise``: relative probe noise."""
     offload: str = "auto"
     """``--snip-offload``: where a refresh holds its snapshot, ``A²`` and base gradients."""
+    probe: str = "isotropic"
+    """``--snip-probe``: the backward probe's noise, isotropic or dgrad-shaped."""
     weights: tuple[float, float] = (1.0, 1.0)
     """``--snip-loss-weight``, ``--snip-weight-weight``: w_L and w_W of Q."""
     solver: SolverConfig = SolverConfig()
@@ -106,6 +114,8 @@ def config_from_args(args: argparse.Namespace) -> SnipConfig | None:
                          "--snip-apply-lag >= 1")
     if args.snip_noise <= 0:
         raise UsageError(f"--snip-noise must be > 0, got {args.snip_noise}")
+    if args.snip_probe == "dgrad" and args.tensor_model_parallel_size > 1:
+        raise UsageError("--snip-probe dgrad needs --tensor-model-parallel-size 1")
     try:
         cands = parse_candidates(args.snip_candidates)
     except ValueError as exc:
@@ -113,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> SnipConfig | None:
     return SnipConfig(args.precision, cands.all_formats(), tuple(cands.options()),
                       args.snip_budget, args.snip_stage_balance, args.snip_start,
                       args.snip_interval, args.snip_apply_lag, args.snip_noise,
-                      args.snip_offload, (args.snip_loss_weight, args.snip_weight_weight),
+                      args.snip_offload, args.snip_probe,
+                      (args.snip_loss_weight, args.snip_weight_weight),
                       SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads),
                       args.snip_seed)

@@ -77,9 +77,10 @@ def _loss(args, model, dataset, consumed: int = 0) -> float:
                              forward_only=True)
 
 
-def _collect_stats(args, run, dataset, consumed: int, candidates: dict, noise: float):
+def _collect_stats(args, run, dataset, consumed: int, candidates: dict, noise: float,
+                   probe: str):
     """(reduced statistics, loss) of the global batch at ``consumed``."""
-    observers, loss = collect(args, run, consumed, candidates, noise, dataset)
+    observers, loss = collect(args, run, consumed, candidates, noise, dataset, probe=probe)
     return reduce_statistics(observers, args, candidates), loss
 
 
@@ -95,12 +96,12 @@ def _loss_divergences(args, run, dataset, x_w: SiteFormats, stats: list[SiteStat
     return [loss_divergence(s, x_w, loss) for s in stats], measured
 
 
-def _snapshot(run) -> tuple[list, dict]:
+def snapshot(run) -> tuple[list, dict]:
     params = [p.detach().clone() for c in run.model for p in c.parameters()]
     return params, copy.deepcopy(run.optimizer.optimizer.state_dict())
 
 
-def _restore(run, snap) -> None:
+def restore(run, snap) -> None:
     params, opt_state = snap
     with torch.no_grad():
         for p, saved in zip((p for c in run.model for p in c.parameters()), params):
@@ -118,13 +119,13 @@ def _step(args, run, dataset) -> None:
     run.optimizer.step()
 
 
-def _site_weights(run, sites) -> list[torch.Tensor]:
+def site_weights(run, sites) -> list[torch.Tensor]:
     from megatron_ext.precision.layers import quantized_linears
     linears = quantized_linears(run.model)
     return [linears[s].weight.detach().double().clone() for s in sites]
 
 
-def _weight_divergence(before, after) -> float:
+def weight_divergence(before, after) -> float:
     return float(np.mean([float((a - b).norm() / b.norm()) for a, b in zip(after, before)]))
 
 
@@ -147,22 +148,23 @@ def _rms(rows: list[list[float]]) -> list[float]:
 
 
 def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: dict,
-          noise: float, loss_batches: int = 1) -> EstimatorCheck:
+          noise: float, loss_batches: int = 1, probe: str = "isotropic") -> EstimatorCheck:
     """Run the check on ``dataset``'s first global batch (single process); ΔL as the RMS over
-    the first ``loss_batches`` batches (a loss change is one random draw per batch)."""
+    the first ``loss_batches`` batches (a loss change is one random draw per batch);
+    ``probe``: the backward probe's noise (``--snip-probe``)."""
     from scipy.stats import spearmanr
 
     num_layers = args.num_layers
     empty = PrecisionPlan({})
     apply_plan(run.model, empty, num_layers)
-    snap = _snapshot(run)
-    observers, loss = collect(args, run, 0, candidates, noise, dataset)
+    snap = snapshot(run)
+    observers, loss = collect(args, run, 0, candidates, noise, dataset, probe=probe)
     _step(args, run, dataset)  # the reference step: its AdamW state feeds the estimate
     hyper = adam_statistics(run.optimizer, run.model, observers)
     stats = reduce_statistics(observers, args, candidates)
     sites = [s.site for s in stats]
-    reference = _site_weights(run, sites)
-    _restore(run, snap)
+    reference = site_weights(run, sites)
+    restore(run, snap)
     x_w = SiteFormats(fp4.x, fp4.w, high.dy)
     backward = SiteFormats(high.x, high.w, fp4.dy,
                            overrides=(("dgrad.w", fp4.w), ("wgrad.x", fp4.x)))
@@ -171,7 +173,8 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
     batches = [(stats, loss, 0)]
     for b in range(1, loss_batches):
         consumed = b * args.global_batch_size
-        other, other_loss = _collect_stats(args, run, dataset, consumed, candidates, noise)
+        other, other_loss = _collect_stats(args, run, dataset, consumed, candidates, noise,
+                                           probe)
         batches.append((other, other_loss, consumed))
     dl = [_loss_divergences(args, run, dataset, x_w, *batch) for batch in batches]
     est_dl, true_dl = _rms([e for e, _ in dl]), _rms([t for _, t in dl])
@@ -182,8 +185,8 @@ def check(args, run, dataset, fp4: SiteFormats, high: SiteFormats, candidates: d
         for formats, out in ((backward, true_dw), (wgrad, true_own)):
             apply_plan(run.model, PrecisionPlan({sid: formats}), num_layers)
             _step(args, run, dataset)
-            out.append(_weight_divergence(reference, _site_weights(run, sites)))  # Def. 4.4
-            _restore(run, snap)
+            out.append(weight_divergence(reference, site_weights(run, sites)))  # Def. 4.4
+            restore(run, snap)
     apply_plan(run.model, empty, num_layers)
     paper = paper_weight_divergences(stats, fp4, hyper)
     rho = lambda a, b: float(spearmanr(a, b).statistic)  # noqa: E731

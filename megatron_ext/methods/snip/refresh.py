@@ -37,6 +37,7 @@ from megatron_ext.precision.observe import isolated_rng, observing
 from megatron_ext.sites import SITES, parse_site_id, site_id
 from megatron_ext.methods.snip.adam import adam_terms
 from megatron_ext.methods.snip.divergence import SiteStats
+from megatron_ext.methods.snip.probe_noise import entry_map
 from megatron_ext.methods.snip.stats import (BASE, PER_FORMAT, PROBE_BACKWARD, PROBE_FORWARD, SCALARS,
                                      SiteObserver)
 from megatron_ext.training.distributed import device
@@ -62,9 +63,9 @@ def make_observers(model, candidates: dict, num_layers: int, noise_scale: float,
             for sid, module in quantized_linears(model).items()}
 
 
-def _layer_hooks(model, observers: dict[str, SiteObserver]) -> list:
+def _layer_hooks(model, observers: dict[str, SiteObserver], probe: str = "isotropic") -> list:
     """Each norm reports its gain κ² and its input's step-2 gradient to the site it feeds; the
-    noise site's layer output gets the residual-stream probe."""
+    noise site's layer output gets the residual-stream probe (``probe``: ``--snip-probe``)."""
     handles = []
     for chunk in model:
         for layer in (m for m in chunk.modules() if isinstance(m, TransformerLayer)):
@@ -76,8 +77,17 @@ def _layer_hooks(model, observers: dict[str, SiteObserver]) -> list:
                         lambda norm, inputs, _, obs=obs: obs.norm_forward(norm, inputs[0])))
             obs = observers.get(getattr(layer.mlp.linear_fc2, "site_id", None))
             if obs is not None and obs.noise_scale:
+                obs.probe_map = _entry_map(layer) if probe == "dgrad" else None
                 handles.append(layer.register_forward_hook(partial(_residual_probe, obs)))
     return handles
+
+
+def _entry_map(layer: TransformerLayer) -> torch.Tensor:
+    """The layer's ``qkv`` and ``fc1`` weights, scaled by their norms' ``γ``."""
+    return entry_map([(layer.self_attention.linear_qkv.weight,
+                       getattr(layer.input_layernorm, "weight", None)),
+                      (layer.mlp.linear_fc1.weight,
+                       getattr(layer.pre_mlp_layernorm, "weight", None))])
 
 
 def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
@@ -87,18 +97,19 @@ def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
 
 
 def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: float,
-            dataset=None, a2: dict | None = None, hold=None
+            dataset=None, a2: dict | None = None, hold=None, probe: str = "isotropic"
             ) -> tuple[dict[str, SiteObserver], float]:
     """Steps 1-3 on the batch at ``consumed_samples`` of ``dataset`` (default: training's)
     as observed passes through ``run.replay``, one isolated RNG stream for the three;
     returns (observers, base loss). With ``a2`` (:func:`adam_squares`) the A-weighted
     statistics are complete and no N x K tensor outlives its site's backward; ``hold``: where
-    the observers keep base gradients between passes (``--snip-offload``)."""
+    the observers keep base gradients between passes (``--snip-offload``); ``probe``: the
+    backward probe's noise (``--snip-probe``, :mod:`.probe_noise`)."""
     observers = make_observers(run.model, candidates, args.num_layers, noise_scale, hold)
     for sid, obs in observers.items():
         if a2 is not None and sid in a2:
             obs.adam_weighted(a2.pop(sid))
-    handles = _layer_hooks(run.model, observers)
+    handles = _layer_hooks(run.model, observers, probe)
     loss = float("nan")
     try:
         with isolated_rng(args.seed + consumed_samples), \

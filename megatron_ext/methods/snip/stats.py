@@ -92,7 +92,7 @@ from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.layers import tp_group, tp_input
 from megatron_ext.precision.site_formats import PASSTHROUGH
 from megatron_ext.methods.snip.observed_gemm import ObservedGemm, TapInput
-from megatron_ext.methods.snip.probe_noise import seeded_noise
+from megatron_ext.methods.snip.probe_noise import dgrad_shaped, seeded_noise
 from megatron_ext.training.memory import trim_heap
 
 BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
@@ -143,6 +143,9 @@ class SiteObserver:
         self.candidates = candidates
         self.noise_scale = noise_scale
         """Relative noise std at the noise site (0: this is not the noise site)."""
+        self.probe_map: torch.Tensor | None = None
+        """``--snip-probe dgrad``: the last layer's entry map (:func:`.probe_noise.entry_map`)
+        that shapes the backward probe's noise; None: isotropic noise."""
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.group = tp_group()
@@ -334,11 +337,16 @@ class SiteObserver:
     def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
         """Noise ``ξ`` that replaces the gradient of the last layer's output (a tensor hook);
         records ‖ξ‖². Each token's noise is relative to that token's gradient RMS, as a
-        block-scaled format's error is. That output is this site's: sequence-sharded over TP
-        under SP, else replicated."""
+        block-scaled format's error is; isotropic, or shaped by :attr:`probe_map`. That output
+        is this site's: sequence-sharded over TP under SP, else replicated."""
         shard = 0 if self.sequence_parallel else None
         sigma = self.noise_scale * grad.detach().double().square().mean(-1, keepdim=True).sqrt()
-        noise = sigma * self.noise_like(grad, shard, self._bwd_micro)
+        if self.probe_map is None:
+            noise = sigma * self.noise_like(grad, shard, self._bwd_micro)
+        else:  # dgrad-shaped (single TP rank: flags.py refuses it with TP > 1)
+            eps = self.noise_like(grad.new_empty(*grad.shape[:-1], self.probe_map.shape[0]),
+                                  shard, self._bwd_micro)
+            noise = dgrad_shaped(eps, self.probe_map, sigma)
         self._bwd_micro += 1
         rep = 1.0 / self.tp if shard is None else 1.0
         self.stats["noiseB"] += float(noise.square().sum()) * rep / self.dp ** 2

@@ -12,6 +12,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.formats import fake_quant, get_format
 from megatron_ext.precision.layers import quantized_class
+from megatron_ext.methods.snip.probe_noise import dgrad_shaped, entry_map
 from megatron_ext.methods.snip.stats import BASE, PROBE_BACKWARD, PROBE_FORWARD, SiteObserver
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "precision"))
@@ -129,6 +130,44 @@ def test_probes_measure_the_gradient_change_of_the_noise():
     obs.adam_weighted(a2)
     assert obs.stats["dgAB"] == pytest.approx(float((a2 * delta_b.square()).sum()), rel=1e-4)
     assert obs.stats["dgAF"] == pytest.approx(float((a2 * delta_f.square()).sum()), rel=1e-4)
+
+
+def test_dgrad_probe_replaces_the_gradient_by_noise_through_the_entry_map():
+    """--snip-probe dgrad: ξ = ε·M σ/rms(M) (ε seeded as the isotropic probe's, over M's rows);
+    the probe's dw is ξ^T x exactly."""
+    torch.manual_seed(2)
+    layer = _layer(RowParallelLinear)
+    x, r = torch.randn(S, B, F), torch.randn(S, B, H)
+    obs = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1)
+    mapping = torch.randn(3 * H, H, dtype=torch.float64)
+    obs.probe_map = mapping
+    _run(layer, obs, x, r)
+    _run(layer, obs, x, r, PROBE_BACKWARD)
+    eps = obs.noise_like(torch.zeros(S, B, 3 * H), None, 0)
+    sigma = 0.1 * r.double().square().mean(-1, keepdim=True).sqrt()
+    xi = eps @ mapping * sigma / (mapping.square().sum() / H).sqrt()
+    assert obs.stats["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
+    delta_b = xi.reshape(-1, H).t() @ x.reshape(-1, F).double()
+    assert obs.stats["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
+
+
+def test_dgrad_shaped_noise_has_the_covariance_of_a_dgrad_error():
+    """Monte Carlo: rows of ε·[W1⊙γ1; W2⊙γ2] have covariance Σ_i (W_i⊙γ_i)^T (W_i⊙γ_i),
+    scaled to E‖ξ_m‖² = H σ_m² like the isotropic probe."""
+    torch.manual_seed(3)
+    h, n1, n2, rows = 8, 12, 20, 200_000
+    w1, w2 = torch.randn(n1, h), torch.randn(n2, h) * 0.3
+    g1, g2 = torch.rand(h) + 0.5, torch.rand(h) * 2
+    mapping = entry_map([(w1, g1), (w2, g2)])
+    eps = torch.randn(rows, n1 + n2, dtype=torch.float64)
+    sigma = torch.full((rows, 1), 0.5, dtype=torch.float64)
+    xi = dgrad_shaped(eps, mapping, sigma)
+    m1, m2 = (w1 * g1).double(), (w2 * g2).double()
+    cov = m1.t() @ m1 + m2.t() @ m2
+    expect = cov * 0.25 * h / torch.trace(cov)
+    assert torch.allclose(xi.t() @ xi / rows, expect, atol=0.02 * float(expect.abs().max()))
+    assert float(xi.square().sum(-1).mean()) == pytest.approx(0.25 * h, rel=0.01)
+    assert torch.equal(entry_map([(w1, None)]), w1.double())
 
 
 def test_noise_is_per_sample_and_layout_free():

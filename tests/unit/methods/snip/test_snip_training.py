@@ -42,6 +42,26 @@ def test_refreshes_write_statistics_divergences_problem_and_plan(snip_run):
     assert stats["adam"]["step"] == 3 and stats["loss"] > 0
 
 
+def _refresh_stats(run_dir) -> dict:
+    raw = json.loads((run_dir / "snip" / "step_000002" / "stats.json").read_text())
+    return {s["site"]: s["stats"] for s in raw["sites"]}
+
+
+def test_dgrad_probe_changes_only_the_backward_probe(snip_run, tmp_path):
+    """--snip-probe dgrad: the same refresh as the isotropic run's except the backward
+    probe's statistics; its noise has the same size per token (‖ξ‖² within a few %)."""
+    run_dir = tmp_path / "dgrad"
+    launch([*FAST_ARGS, *SNIP, "--snip-probe", "dgrad", "--train-iters", "4", "--no-save",
+            "--run-dir", str(run_dir)])
+    iso, shaped = _refresh_stats(snip_run), _refresh_stats(run_dir)
+    for sid, st in iso.items():
+        for key in ("xx", "ww", "dydy", "dgF", "WGdy"):
+            assert shaped[sid][key] == pytest.approx(st[key], rel=1e-6), (sid, key)
+        assert shaped[sid]["dgB"] != pytest.approx(st["dgB"], rel=1e-3), sid
+    noise = [(st["noiseB"], shaped[sid]["noiseB"]) for sid, st in iso.items() if st["noiseB"]]
+    assert len(noise) == 1 and 0.9 < noise[0][1] / noise[0][0] < 1.1
+
+
 def test_plan_switches_at_the_apply_step(snip_run):
     records = [r for r in read_metrics(snip_run) if "loss" in r]
     hashes = [r["precision_plan"] for r in records]
@@ -118,9 +138,25 @@ def test_resume_between_refresh_and_apply_reproduces_the_run(tmp_path):
     (["--snip-candidates", "fp8,nope"], "--snip-candidates"),
     (["--snip-apply-lag", "0"], "--snip-apply-lag"),
     (["--precision-plan", "plan.json"], "exclude each other"),
+    (["--snip-probe", "sideways"], "--snip-probe"),
 ])
 def test_bad_snip_flags_are_one_line_errors(flags, message):
     proc = launch([*FAST_ARGS, "--precision", "snip", *flags, "--train-iters", "2",
                    "--no-save"], check=False)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_dgrad_probe_needs_one_tensor_parallel_rank():
+    from megatron_ext import extension as ext
+    from megatron_ext.defaults import default_extensions
+    from megatron_ext.errors import UsageError
+    from megatron_ext.methods.snip.flags import config_from_args
+    from megatron_ext.training.arguments import parse_args
+    flags = ["--precision", "snip", "--snip-probe", "dgrad"]
+    provider = ext.args_provider(default_extensions())
+    assert config_from_args(parse_args("llama", flags, provider)).probe == "dgrad"
+    args = parse_args("llama", [*flags, "--tensor-model-parallel-size", "2"], provider,
+                      world_size=2)
+    with pytest.raises(UsageError, match="--snip-probe dgrad needs"):
+        config_from_args(args)
