@@ -56,9 +56,11 @@ TRAIN_CONFIGS = {
     "stquant": ["--optimizer", "stquant-adamw"],
     "gaussws": ["--gaussws", "od"],
     "pgq": ["--precision", "pgq"],
+    "pgq plan": ["--precision-plan", "{pgq_plan}"],
 }
 """``--precision`` etc. per training row; every row adds :data:`TRAIN_SHAPE`;
-``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3."""
+``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` is the
+recipe the ``pgq`` row wrote (run ``pgq`` first): PGQ after its profile vs its own plan."""
 TRAIN_SHAPE = ["--model", "tinyllama-1.1b", "--mock-data", "--micro-batch-size", "2",
                "--global-batch-size", "2", "--seq-length", "2048", "--eval-iters", "0",
                "--no-save", "--log-interval", "1"]

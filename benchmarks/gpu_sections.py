@@ -160,10 +160,12 @@ def train(args, out) -> dict:
     per_tensor = SiteFormats("fp8_e4m3", "fp8_e4m3", "fp8_e4m3")
     save_plan(PrecisionPlan({s: per_tensor for s in all_site_ids(22)}, method="fp8-tensor"),
               str(plan_file))
+    pgq_plan = out / "train_pgq" / "precision_plan.json"
     rows = []
     for name in args.train_configs:
         run_dir = out / ("train_" + "".join(c if c.isalnum() else "_" for c in name))
-        flags = [f.format(fp8_tensor_plan=plan_file) for f in TRAIN_CONFIGS[name]]
+        flags = [f.format(fp8_tensor_plan=plan_file, pgq_plan=pgq_plan) for f in
+                 TRAIN_CONFIGS[name]]
         run = _pretrain([*TRAIN_SHAPE, "--train-iters", str(args.train_steps), *flags], run_dir)
         records = [r for r in run.get("records", []) if "tokens_per_s" in r]
         timed = [r for r in records if r["step"] > 3] or records
@@ -174,6 +176,7 @@ def train(args, out) -> dict:
             row["tokens/s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
             row["peak GiB"] = round(max(r.get("mem_gib", 0) for r in records), 1)
             row["loss"] = round(records[-1]["loss"], 3)
+            row.update(_profile_cost(run_dir, run.get("records", []), timed))
         if "error" in run:
             row["error"] = run["error"][-1200:]
         row["log"] = run.get("log")
@@ -184,6 +187,18 @@ def train(args, out) -> dict:
         if base and "tokens/s" in row:
             row["x bf16"] = round(row["tokens/s"] / base, 2)
     return {"rows": rows}
+
+
+def _profile_cost(run_dir: Path, records: list, timed: list) -> dict:
+    """PGQ's profile time (``pgq_profile_s``) per profiled batch over a median training step
+    (target <= 2x); empty for rows without a profile."""
+    profile = sum(r.get("pgq_profile_s", 0.0) for r in records)
+    if not profile:
+        return {}
+    batches = json.loads((run_dir / "args.json").read_text())["pgq_profile_steps"]
+    step = statistics.median(r["step_time_s"] for r in timed)
+    return {"profile s": round(profile, 2),
+            "profile batch x step": round(profile / batches / step, 2)}
 
 
 def _refresh_ratio(run_dir: Path):
