@@ -158,7 +158,7 @@ class Allocator:
         """Measured state bytes per parameter and the average width, model-wide, and per part
         (:data:`PARTS`) bits, code bytes and scale bytes per parameter, now and averaged over
         the calls so far (collective)."""
-        totals = torch.zeros(4 + 4 * len(PARTS), dtype=torch.float64, device=device())
+        totals = torch.zeros(4 + 4 * len(PARTS), dtype=torch.float64)  # host: sums of ints
         widths = self.widths()
         for e in self.entries:
             if not e.owner:
@@ -173,9 +173,10 @@ class Allocator:
             at = 4 + 4 * PARTS.index(part_of(e.name))
             totals[at:at + 4] += torch.tensor([numel, numel * bits, codes, scales],
                                               dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        totals = totals.cpu()
+        if dist.is_initialized():  # NCCL reduces device tensors only
+            on_device = totals.to(device())
+            dist.all_reduce(on_device)
+            totals = on_device.cpu()
         self.part_sums = totals[4:] + (0 if self.part_sums is None else self.part_sums)
         self.part_calls += 1
         nbytes, numel, bit_elems, quantized = totals[:4].tolist()
