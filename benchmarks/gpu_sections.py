@@ -213,18 +213,28 @@ def _refresh_ratio(run_dir: Path):
 
 
 def pytest(args, out) -> dict:
-    cmd = [sys.executable, "-m", "pytest", *args.pytest_paths, "-q", "-n", "12",
-           "-p", "no:cacheprovider", "--durations=0", "--timeout", "120"]
+    """``pytest`` with CUDA visible; each test's outcome is printed (``-v``), so a run cut off
+    at ``--pytest-timeout`` still names the tests that failed before."""
+    cmd = [sys.executable, "-m", "pytest", *args.pytest_paths, "-v", "-n", "12",
+           "-p", "no:cacheprovider", "--timeout", "120"]
     env = {**os.environ, "MEGATRON_EXT_CACHE": str(out / "cache")}
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,
                               timeout=args.pytest_timeout)
-        tail = proc.stdout.strip().splitlines()[-25:]
-        return {"returncode": proc.returncode, "tail": tail}
+        text, result = proc.stdout, {"returncode": proc.returncode}
     except subprocess.TimeoutExpired as exc:
         text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return {"error": f"timed out after {args.pytest_timeout} s",
-                "tail": text.strip().splitlines()[-25:]}
+        result = {"error": f"timed out after {args.pytest_timeout} s"}
+    return {**result, **pytest_outcomes(text)}
+
+
+def pytest_outcomes(text: str) -> dict:
+    """Passed count, failed / errored test lines and the last lines of ``pytest -v``'s output
+    (xdist's ``[gw3] [ 62%] FAILED tests/...::test_x``)."""
+    lines = text.strip().splitlines()
+    return {"passed": sum(" PASSED " in line for line in lines),
+            "failed": [line for line in lines if " FAILED " in line or " ERROR " in line],
+            "tail": lines[-8:]}
 
 
 def markdown(results: dict) -> str:

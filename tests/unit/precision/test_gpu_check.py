@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[3]
@@ -23,8 +24,8 @@ def test_help_lists_the_sections():
         assert word in proc.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
-    assert not torch.cuda.is_available()
     proc = _run("--out", str(tmp_path / "out"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -65,3 +66,17 @@ def test_the_new_sections_call_the_benchmarks_run(monkeypatch, tmp_path):
         '{"step": 2, "loss": 5.0, "mem_gib": 2.0, "snip_refresh": 1}\n')
     assert gpu_sections._refresh_ratio(run) == 1.0
     assert "metrics.jsonl" in gpu_sections._refresh_ratio(tmp_path)
+
+
+def test_pytest_outcomes_name_the_failures_of_a_cut_off_run():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.gpu_sections import pytest_outcomes
+
+    text = ("[gw0] [ 50%] PASSED tests/unit/a.py::test_one\n"
+            "[gw1] [ 62%] FAILED tests/unit/b.py::test_two\n"
+            "[gw0] [ 70%] ERROR tests/unit/c.py::test_three\n"
+            "[gw1] [ 80%] PASSED tests/unit/b.py::test_four\n")
+    got = pytest_outcomes(text)
+    assert got["passed"] == 2
+    assert got["failed"] == ["[gw1] [ 62%] FAILED tests/unit/b.py::test_two",
+                             "[gw0] [ 70%] ERROR tests/unit/c.py::test_three"]
