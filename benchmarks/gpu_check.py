@@ -57,10 +57,12 @@ TRAIN_CONFIGS = {
     "gaussws": ["--gaussws", "od"],
     "pgq": ["--precision", "pgq"],
     "pgq plan": ["--precision-plan", "{pgq_plan}"],
+    "snip plan": ["--precision-plan", "{snip_plan}"],
 }
 """``--precision`` etc. per training row; every row adds :data:`TRAIN_SHAPE`;
-``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` is the
-recipe the ``pgq`` row wrote (run ``pgq`` first): PGQ after its profile vs its own plan."""
+``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` /
+``{snip_plan}`` is the last plan the ``pgq`` / ``snip`` row wrote (run that row first): the
+method's overhead is its step time over its own plan's through ``--precision-plan``."""
 TRAIN_SHAPE = ["--model", "tinyllama-1.1b", "--mock-data", "--micro-batch-size", "2",
                "--global-batch-size", "2", "--seq-length", "2048", "--eval-iters", "0",
                "--no-save", "--log-interval", "1"]

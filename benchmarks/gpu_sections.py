@@ -160,12 +160,11 @@ def train(args, out) -> dict:
     per_tensor = SiteFormats("fp8_e4m3", "fp8_e4m3", "fp8_e4m3")
     save_plan(PrecisionPlan({s: per_tensor for s in all_site_ids(22)}, method="fp8-tensor"),
               str(plan_file))
-    pgq_plan = out / "train_pgq" / "precision_plan.json"
+    plans = {f"{m}_plan": out / f"train_{m}" / "precision_plan.json" for m in ("pgq", "snip")}
     rows = []
     for name in args.train_configs:
         run_dir = out / ("train_" + "".join(c if c.isalnum() else "_" for c in name))
-        flags = [f.format(fp8_tensor_plan=plan_file, pgq_plan=pgq_plan) for f in
-                 TRAIN_CONFIGS[name]]
+        flags = [f.format(fp8_tensor_plan=plan_file, **plans) for f in TRAIN_CONFIGS[name]]
         run = _pretrain([*TRAIN_SHAPE, "--train-iters", str(args.train_steps), *flags], run_dir)
         records = [r for r in run.get("records", []) if "tokens_per_s" in r]
         timed = [r for r in records if r["step"] > 3] or records
