@@ -55,16 +55,17 @@ class GemmObserver:
         """Candidate name -> role formats."""
         self.group = group
         """The TP group the observed operands may be shards over (None without TP)."""
-        self.sums: dict[tuple[str, str], list[float]] = {}
-        """(gemm, role) -> [‖t‖², ‖Q_c(t) − t‖² for each candidate c]."""
+        self.sums: dict[tuple[str, str], torch.Tensor] = {}
+        """(gemm, role) -> [‖t‖², ‖Q_c(t) − t‖² for each candidate c], float64 on the
+        operands' device: summed there, read once by :func:`reduce_sqnr` (no host sync per
+        operand, which on a GPU would serialise the profile's many small kernels)."""
         self.weight_seen = False
 
     def add(self, gemm: str, role: str, t: torch.Tensor, transposed: bool) -> None:
         formats = {c: f.operand(gemm, role) for c, f in self.candidates.items()}
-        signal, noise = noise_sums(oriented(t, transposed), formats, self.group)
-        acc = self.sums.setdefault((gemm, role), [0.0] * (1 + len(formats)))
-        for i, value in enumerate((signal, *noise.values())):
-            acc[i] += value
+        sums = noise_sums(oriented(t, transposed), formats, self.group)
+        acc = self.sums.get((gemm, role))
+        self.sums[(gemm, role)] = sums if acc is None else acc + sums
 
     def __call__(self, module, input, weight, kwargs) -> torch.Tensor:
         """Instead of a linear's GEMM: the unquantized GEMM, measuring its operands."""
@@ -130,12 +131,11 @@ def reduce_sqnr(observers: dict[str, GemmObserver], gemms: list[GemmProfile],
                 candidates: list[str]) -> list[GemmProfile]:
     """Sum every rank's sums (one all-reduce) and fill in each operand's SQNR."""
     width = 1 + len(candidates)
-    flat = torch.zeros(2 * len(gemms), width, dtype=torch.float64)
+    flat = torch.zeros(2 * len(gemms), width, dtype=torch.float64, device=device())
     for slot, g, role in _slots(gemms):
         obs = observers.get(g.site)
         if obs is not None and (g.gemm, role) in obs.sums:
-            flat[slot] = torch.tensor(obs.sums[(g.gemm, role)], dtype=torch.float64)
-    flat = flat.to(device())
+            flat[slot] = obs.sums[(g.gemm, role)]
     dist.all_reduce(flat)
     flat = flat.cpu().tolist()
     filled = {g.name: dict(g.operands) for g in gemms}

@@ -84,14 +84,14 @@ def oriented(t: torch.Tensor, transposed: bool) -> torch.Tensor:
     return flat.t() if transposed else flat
 
 
-def noise_sums(t2: torch.Tensor, formats: dict[str, str],
-               group=None) -> tuple[float, dict[str, float]]:
-    """``(‖t‖², {candidate: ‖Q(t) − t‖²})`` in float64 for ``t2`` from :func:`oriented`,
-    each candidate's format applied along the last dimension as ``gemm.quantize`` does
-    (a tensor-wide scale from the whole tensor over the TP ``group``)."""
+def noise_sums(t2: torch.Tensor, formats: dict[str, str], group=None) -> torch.Tensor:
+    """``[‖t‖², ‖Q_c(t) − t‖² for each candidate c of formats]``, float64 on ``t2``'s device
+    (no host synchronisation), for ``t2`` from :func:`oriented`, each candidate's format
+    applied along the last dimension as ``gemm.quantize`` does (a tensor-wide scale from the
+    whole tensor over the TP ``group``)."""
     exact = t2.double()
-    noise = {}
-    for name, fmt in formats.items():
+    sums = [exact.square().sum()]
+    for fmt in formats.values():
         error = quantize(t2, get_format(fmt), axis=-1, group=group).double() - exact
-        noise[name] = float(error.square().sum())
-    return float(exact.square().sum()), noise
+        sums.append(error.square().sum())
+    return torch.stack(sums)
