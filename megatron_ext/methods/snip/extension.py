@@ -164,15 +164,13 @@ class SnipRun:
             start = time.perf_counter()
             snapshot, consumed = self._snapshot
             self._snapshot = None
-            try:
+            with snapshot.store:  # its files go at the end, also on an error
                 a2, hyper = adam_squares(run.optimizer, run.model, snapshot.store)
                 reduce_s = time.perf_counter() - start
                 with snapshot.swapped():
                     observers, loss = collect(args, run, consumed, self.config.candidates,
                                               self.config.noise, a2=a2, store=snapshot.store,
                                               probe=self.config.probe)
-            finally:
-                snapshot.store.close()
             del snapshot, a2
             collect_s = time.perf_counter() - start - reduce_s
             stats = reduce_statistics(observers, args, self.config.candidates)

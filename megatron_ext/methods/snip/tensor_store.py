@@ -12,8 +12,8 @@ handle whose :meth:`Stored.get` brings the tensor back where it is used:
   run directory and read back (``torch.load``) at each use, so memory holds one site's
   tensor at a time. Page cache is not resident memory of the process; memory-mapped files
   would be, so files are read, not mapped. :meth:`TensorStore.close` removes the folder (the
-  refresh calls it in a ``finally``; a store never closed is removed when collected or at
-  exit).
+  refresh uses the store as a ``with`` block; a store never closed is removed when collected
+  or at exit).
 """
 
 from __future__ import annotations
@@ -99,3 +99,10 @@ class TensorStore:
         """Remove the folder and every file in it (in memory: nothing to do)."""
         if self._remove is not None:
             self._remove()
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Leaving a ``with`` block, normally or by an exception: :meth:`close`."""
+        self.close()

@@ -42,6 +42,15 @@ def test_put_get_round_trip_is_bit_exact_and_files_go(offload, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_disk_store_used_as_a_block_is_removed_also_on_an_error(tmp_path):
+    with pytest.raises(RuntimeError, match="mid-refresh"):
+        with TensorStore.for_offload("disk", str(tmp_path)) as store:
+            store.put(torch.ones(3))
+            assert len(list(tmp_path.iterdir())) == 1
+            raise RuntimeError("mid-refresh")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unclosed_disk_store_is_removed_when_dropped(tmp_path):
     store = TensorStore.for_offload("disk", str(tmp_path))
     store.put(torch.ones(3))
