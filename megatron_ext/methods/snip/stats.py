@@ -92,12 +92,10 @@ from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.layers import tp_group, tp_input
 from megatron_ext.precision.site_formats import PASSTHROUGH
 from megatron_ext.methods.snip.observed_gemm import ObservedGemm, TapInput
-from megatron_ext.methods.snip.probe_noise import dgrad_shaped, seeded_noise
+from megatron_ext.methods.snip.probe_noise import (BASE, PROBE_BACKWARD, PROBE_FORWARD,
+                                                   ProbeNoise)
 from megatron_ext.methods.snip.tensor_store import Stored, TensorStore
 from megatron_ext.training.memory import trim_heap
-
-BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
-"""Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
 
 SCALARS = ("xx", "ww", "dydy", "dxdx", "dxdxN", "dwdw", "AA", "dgB", "dgF", "dgAB",
            "dgAF", "dxB", "dxBN", "resB", "noiseB", "noiseF")
@@ -133,8 +131,9 @@ def _norm_gain(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return gamma2 / (h.square().mean(-1).reshape(-1) + eps)
 
 
-class SiteObserver:
-    """Statistics of one site over a refresh (see the module docstring)."""
+class SiteObserver(ProbeNoise):
+    """Statistics of one site over a refresh (see the module docstring; the probes' noise
+    comes from :class:`~.probe_noise.ProbeNoise`)."""
 
     def __init__(self, site: str, module, candidates: dict[str, tuple[str, ...]],
                  noise_scale: float = 0.0, store: TensorStore | None = None):
@@ -311,48 +310,6 @@ class SiteObserver:
         self._gemm_micro += 1
         if self._gemm_micro == len(self.sample_offsets):
             self.end_pass(weight)
-
-    # -- noise (steps 2, 3) -----------------------------------------------------------
-    def noise_like(self, t: torch.Tensor, shard_dim: int | None, micro: int) -> torch.Tensor:
-        """Per-sample seeded N(0, 1) noise shaped like ``t`` ([s, b, ...]) for micro-batch
-        ``micro`` of the pass; when ``shard_dim`` is given ``t`` is this TP rank's slice of
-        a dim ``tp`` times larger (every rank draws the full tensor and keeps its slice)."""
-        stream = 1 if self.mode == PROBE_BACKWARD else 2
-        return seeded_noise(t, shard_dim, self.sample_offsets[micro], stream, self.tp,
-                            self.tp_rank)
-
-    def _global_rms(self, t: torch.Tensor, partial: bool) -> float:
-        total = t.detach().double().square().sum().reshape(1)
-        self._tp_complete(total, partial)
-        numel = t.numel() * (self.tp if partial and self.tp > 1 else 1)
-        return float(total.sqrt()) / numel ** 0.5
-
-    def add_forward_noise(self, x: torch.Tensor) -> torch.Tensor:
-        shard = None if self.column else x.dim() - 1
-        sigma = self.noise_scale * self._global_rms(x, shard is not None)
-        noise = sigma * self.noise_like(x, shard, self._fwd_micro)
-        self._fwd_micro += 1
-        rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseF"] += float(noise.square().sum()) * rep
-        return x + noise.to(x.dtype)
-
-    def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
-        """Noise ``ξ`` that replaces the gradient of the last layer's output (a tensor hook);
-        records ‖ξ‖². Each token's noise is relative to that token's gradient RMS, as a
-        block-scaled format's error is; isotropic, or shaped by :attr:`probe_map`. That output
-        is this site's: sequence-sharded over TP under SP, else replicated."""
-        shard = 0 if self.sequence_parallel else None
-        sigma = self.noise_scale * grad.detach().double().square().mean(-1, keepdim=True).sqrt()
-        if self.probe_map is None:
-            noise = sigma * self.noise_like(grad, shard, self._bwd_micro)
-        else:  # dgrad-shaped (single TP rank: flags.py refuses it with TP > 1)
-            eps = self.noise_like(grad.new_empty(*grad.shape[:-1], self.probe_map.shape[0]),
-                                  shard, self._bwd_micro)
-            noise = dgrad_shaped(eps, self.probe_map, sigma)
-        self._bwd_micro += 1
-        rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseB"] += float(noise.square().sum()) * rep / self.dp ** 2
-        return noise.to(grad.dtype)
 
     # -- end of a pass -------------------------------------------------------------------
     def end_pass(self, weight: torch.Tensor) -> None:
