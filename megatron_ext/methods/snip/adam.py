@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.training.optimizer import adam_moments, main_params
+from megatron_ext.methods.snip.tensor_store import TensorStore
 
 
 def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torch.Tensor:
@@ -36,15 +37,15 @@ def a_squared(mvg: torch.Tensor, beta1: float, beta2: float, eps: float) -> torc
     return a.square()
 
 
-def adam_terms(optimizer, site_params: dict, dtype=torch.float64, hold=None
-               ) -> tuple[dict, dict]:
-    """``({site: A² like the site's local weight},
+def adam_terms(optimizer, site_params: dict, dtype=torch.float64,
+               store: TensorStore | None = None) -> tuple[dict, dict]:
+    """``({site: A² like the site's local weight, as a Stored},
     {"lr", "beta1", "beta2", "step", "eps"})``.
 
     ``site_params`` maps each local site id to its model parameter (the weight). ``A²`` is
     computed in float64 one site at a time (one site's ``m, v, g`` in float64 at most) and
-    returned in ``dtype`` (float32 holds half as much, rounded to 2^-24 relative), on
-    ``hold`` (a device; None: the weight's) as soon as it is made.
+    returned in ``dtype`` (float32 holds half as much, rounded to 2^-24 relative), put in
+    ``store`` (:mod:`.tensor_store`; None: kept on the weight's device) as soon as it is made.
     """
     site_of = {id(p): sid for sid, p in site_params.items()}
     found: dict[str, list] = {}
@@ -64,8 +65,9 @@ def adam_terms(optimizer, site_params: dict, dtype=torch.float64, hold=None
                  "eps": group["eps"], "step": float(state.get("step", 0))}
     hyper = _agree(hyper)
     sites = sorted(site_params) if sharded else list(found)  # sharded: all ranks, same order
-    return {sid: a_squared(_mvg(site_params[sid], found.get(sid, []), sharded),
-                           hyper["beta1"], hyper["beta2"], hyper["eps"]).to(hold, dtype)
+    store = store or TensorStore()
+    return {sid: store.put(a_squared(_mvg(site_params[sid], found.get(sid, []), sharded),
+                                     hyper["beta1"], hyper["beta2"], hyper["eps"]).to(dtype))
             for sid in sites}, hyper
 
 

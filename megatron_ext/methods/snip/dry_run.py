@@ -40,6 +40,7 @@ from megatron_ext.methods.snip.memory import (GIB, RefreshMemory, local_sites, s
                                               refresh_memory as memory_of)
 from megatron_ext.methods.snip.candidates import parse_option_name
 from megatron_ext.methods.snip.synthetic import synthetic_problem
+from megatron_ext.methods.snip.tensor_store import resolve
 from megatron_ext.precision.cost import ModelShape, layer_stages
 from megatron_ext.precision.dry_run import micro_batch_shape
 from megatron_ext.precision.plan import PrecisionPlan
@@ -138,14 +139,15 @@ def stand_in_plan(config, args, shape: ModelShape) -> PrecisionPlan:
 
 def refresh_memory(config, args, context) -> list[RefreshMemory]:
     """Per pipeline stage, what a refresh holds on one GPU beyond a step (:mod:`.memory`;
-    ``--snip-offload`` auto and host keep the snapshot, ``A²`` and ``dw`` on the host)."""
+    ``--snip-offload`` auto and host keep the snapshot, ``A²`` and ``dw`` on the host, disk
+    in files)."""
     shape = ModelShape.from_args(args)
     layout = context.layout
     sums = sums_per_site(config.candidates)
     return [memory_of(s.per_gpu, 2 if layout.bf16 else 4,
                       local_sites(shape, s.layers, layout.tp),
                       layout.seq * layout.micro_batch, layout.micro_batches, layout.dp, sums,
-                      config.offload != "none")
+                      resolve(config.offload, "cuda"))
             for s in context.stages]
 
 
@@ -165,7 +167,8 @@ def estimate(config, args, context) -> DryRunPart:
         f"{worst.total / GIB:.2f} GiB = snapshot {worst.snapshot / GIB:.2f} + A² "
         f"{worst.adam / GIB:.2f} + dw {worst.base_grad / GIB:.2f} + float64 sums "
         f"{worst.accumulators / GIB:.2f} + largest site {worst.transient / GIB:.2f}"
-        + (f"; on the host (--snip-offload): {worst.host / GIB:.2f} GiB" if worst.host else ""),
+        + (f"; on the host (--snip-offload): {worst.host / GIB:.2f} GiB" if worst.host else "")
+        + (f"; in files (--snip-offload disk): {worst.disk / GIB:.2f} GiB" if worst.disk else ""),
         f"SNIP ILP (synthetic statistics, budget {ilp.budget:g}, stage balance "
         f"{ilp.stage_balance}): {ilp.status} in {ilp.solve_time:.2f} s, {ilp.variables:,} "
         f"variables ({ilp.pruned:,} pruned), FP4 {ilp.fp4_fraction:.3f}, per stage "

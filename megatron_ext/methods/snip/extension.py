@@ -29,7 +29,6 @@ import threading
 import time
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from megatron_ext.precision.controller import PlanController
@@ -47,6 +46,7 @@ from megatron_ext.methods.snip.plots import PLOTS
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.snip.refresh import (WeightSnapshot, adam_squares, collect,
                                                reduce_statistics)
+from megatron_ext.methods.snip.tensor_store import TensorStore, resolve
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.training.distributed import device
@@ -126,15 +126,13 @@ class SnipRun:
         run.checkpointer.register("snip", self)
         if self.config.refreshes:  # before the first step: would a refresh fit?
             memory.check_fits(memory.of_run(args, run.model, self.config.candidates,
-                                            self._hold() is not None),
+                                            self._offload()),
                               _activations(args))
 
-    def _hold(self) -> torch.device | None:
-        """Where a refresh keeps its snapshot, ``A²`` and base gradients (``--snip-offload``):
-        host memory, or None for the model's device."""
-        offload = self.config.offload
-        host = offload == "host" or (offload == "auto" and device().type == "cuda")
-        return torch.device("cpu") if host else None
+    def _offload(self) -> str:
+        """Where a refresh keeps its snapshot, ``A²`` and base gradients: ``--snip-offload``
+        with ``auto`` resolved on this run's device (host, disk or none)."""
+        return resolve(self.config.offload, device().type)
 
     # -- schedule ----------------------------------------------------------------------
     def _refresh_due(self, step: int) -> bool:
@@ -151,7 +149,8 @@ class SnipRun:
             self._apply()
             self._apply_s = time.perf_counter() - start
         if self._refresh_due(state.iteration):  # the passes run after the step
-            self._snapshot = (WeightSnapshot(run.model, self._hold()), state.consumed_samples)
+            store = TensorStore.for_offload(self._offload(), args.run_dir)
+            self._snapshot = (WeightSnapshot(run.model, store), state.consumed_samples)
 
     def on_step(self, args, run, state) -> dict | None:
         """Metrics of this step: ``snip_apply_s`` (plan switch before it, waiting for the
@@ -165,12 +164,13 @@ class SnipRun:
             start = time.perf_counter()
             snapshot, consumed = self._snapshot
             self._snapshot = None
-            a2, hyper = adam_squares(run.optimizer, run.model, self._hold())
-            reduce_s = time.perf_counter() - start
-            with snapshot.swapped():
-                observers, loss = collect(args, run, consumed, self.config.candidates,
-                                          self.config.noise, a2=a2, hold=self._hold(),
-                                          probe=self.config.probe)
+            with snapshot.store:  # its files go at the end, also on an error
+                a2, hyper = adam_squares(run.optimizer, run.model, snapshot.store)
+                reduce_s = time.perf_counter() - start
+                with snapshot.swapped():
+                    observers, loss = collect(args, run, consumed, self.config.candidates,
+                                              self.config.noise, a2=a2, store=snapshot.store,
+                                              probe=self.config.probe)
             del snapshot, a2
             collect_s = time.perf_counter() - start - reduce_s
             stats = reduce_statistics(observers, args, self.config.candidates)

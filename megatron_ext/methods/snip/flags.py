@@ -14,6 +14,7 @@ from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.candidates import DEFAULT_CANDIDATES, parse_candidates
 from megatron_ext.methods.snip.probe_noise import PROBES
+from megatron_ext.methods.snip.tensor_store import OFFLOADS
 from megatron_ext.precision.site_formats import SiteFormats
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
@@ -41,11 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-noise", type=finite_float, default=1e-2, metavar="EPS",
                    help="probe noise std relative to the gradient's RMS per token (step 2) and "
                         "the input's RMS (step 3)")
-    g.add_argument("--snip-offload", choices=("auto", "host", "none"), default="auto",
+    g.add_argument("--snip-offload", choices=OFFLOADS, default="auto",
                    help="where a refresh keeps the weight snapshot, AdamW's A² and the base "
                         "gradients between their uses: host = CPU memory (a site's A² and "
-                        "gradient copied to the model's device while it is in use), none = the "
-                        "model's device; auto (default) = host when the model is on a GPU")
+                        "gradient copied to the model's device while it is in use), disk = "
+                        "files in <run-dir>/snip_offload_*/ (read back one site or parameter "
+                        "at a time, removed after the refresh; bounds CPU memory), none = the "
+                        "model's device; auto (default) = host when the model is on a GPU, "
+                        "else none")
     g.add_argument("--snip-probe", choices=PROBES, default="isotropic",
                    help="the backward probe's noise (step 2): isotropic per token (the "
                         "paper's), or dgrad: shaped like a dgrad error entering the residual "
@@ -87,7 +91,9 @@ class SnipConfig:
     noise: float = 1e-2
     """``--snip-noise``: relative probe noise."""
     offload: str = "auto"
-    """``--snip-offload``: where a refresh holds its snapshot, ``A²`` and base gradients."""
+    """``--snip-offload``: where a refresh holds its snapshot, ``A²`` and base gradients
+    between uses (:mod:`.tensor_store`): ``host`` memory, ``disk`` files under the run
+    directory, ``none`` (the model's device), or ``auto`` (host on a GPU, else none)."""
     probe: str = "isotropic"
     """``--snip-probe``: the backward probe's noise, isotropic or dgrad-shaped."""
     weights: tuple[float, float] = (1.0, 1.0)

@@ -17,7 +17,10 @@ before it, with AdamW's ``A²`` known, so per rank it holds, beyond what a step 
   ``dy`` or one error of it and its square; two M x K; the quantizer's two M x N FP32).
 
 With ``--snip-offload host`` (the default on a GPU) the snapshot, ``A²`` and ``dw`` wait in
-host memory (``host``) and the device holds one site's ``A²`` and ``dw`` at a time.
+host memory (``host``) and the device holds one site's ``A²`` and ``dw`` at a time. With
+``--snip-offload disk`` they wait in files instead (``disk``: nothing on the host either):
+memory holds one site's ``A²`` and ``dw`` at a time and, while the snapshot is swapped in
+and out, one parameter (not counted: a step's own work is larger).
 
 The dry run shows the device total per pipeline stage as its ``extra`` memory; training
 compares it with the memory free after start-up (:func:`check_fits`) before the first step.
@@ -55,20 +58,22 @@ class RefreshMemory:
     """The largest site's float64 work in its backward."""
     host: int = 0
     """Snapshot, ``A²`` and ``dw`` in host memory (``--snip-offload host``; not in ``total``)."""
+    disk: int = 0
+    """Snapshot, ``A²`` and ``dw`` in files (``--snip-offload disk``; not in ``total``)."""
 
     @property
     def total(self) -> int:
         """Bytes on the model's device."""
-        return sum(dataclasses.astuple(self)) - self.host
+        return sum(dataclasses.astuple(self)) - self.host - self.disk
 
 
 def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], tokens: int,
-                   micro_batches: int, dp: int, sums_per_site: int, host: bool = False
+                   micro_batches: int, dp: int, sums_per_site: int, offload: str = "none"
                    ) -> RefreshMemory:
     """The refresh's memory of a rank holding ``params`` parameters of ``param_bytes`` each and
     site weights of local shapes ``sites`` (N, K), ``tokens`` rows per micro-batch, with
     ``sums_per_site`` float64 N x K sums (1 + the x and dy candidates), DP size ``dp``;
-    ``host``: snapshot, ``A²`` and ``dw`` offloaded."""
+    ``offload``: ``host`` or ``disk`` (snapshot, ``A²`` and ``dw`` moved there) or ``none``."""
     weights = sum(n * k for n, k in sites)
     largest = max((n * k for n, k in sites), default=0)
     m_n = max((tokens * max(n, k) for n, k in sites), default=0)
@@ -78,10 +83,12 @@ def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], 
     sums = 1 + WEIGH_TEMPORARIES if single else sums_per_site
     dw_bytes = 4 if single else 8
     kept = params * param_bytes + (4 + dw_bytes) * weights
-    on_device = largest if host else weights  # offloaded: one site's A², dw at a time
-    return RefreshMemory(0 if host else params * param_bytes, 4 * on_device,
+    moved = offload in ("host", "disk")
+    on_device = largest if moved else weights  # offloaded: one site's A², dw at a time
+    return RefreshMemory(0 if moved else params * param_bytes, 4 * on_device,
                          dw_bytes * on_device, 8 * sums * held,
-                         8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n, kept if host else 0)
+                         8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n,
+                         kept if offload == "host" else 0, kept if offload == "disk" else 0)
 
 
 def local_sites(shape: ModelShape, layers, tp: int) -> list[tuple[int, int]]:
@@ -100,15 +107,15 @@ def sums_per_site(candidates: dict) -> int:
     return 1 + len(candidates["x"]) + len(candidates["dy"])
 
 
-def of_run(args, model, candidates: dict, host: bool = False) -> RefreshMemory:
-    """This rank's refresh memory in a built run (``host``: offloaded)."""
+def of_run(args, model, candidates: dict, offload: str = "none") -> RefreshMemory:
+    """This rank's refresh memory in a built run (``offload``: resolved ``--snip-offload``)."""
     from megatron_ext.precision.layers import quantized_linears
     params = [p for chunk in model for p in chunk.parameters()]
     sites = [tuple(m.weight.shape) for m in quantized_linears(model).values()]
     return refresh_memory(sum(p.numel() for p in params),
                           params[0].element_size() if params else 4, sites,
                           args.seq_length * args.micro_batch_size, args.num_microbatches,
-                          args.data_parallel, sums_per_site(candidates), host)
+                          args.data_parallel, sums_per_site(candidates), offload)
 
 
 def available_bytes() -> int | None:

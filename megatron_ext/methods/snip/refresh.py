@@ -40,6 +40,7 @@ from megatron_ext.methods.snip.divergence import SiteStats
 from megatron_ext.methods.snip.probe_noise import entry_map
 from megatron_ext.methods.snip.stats import (BASE, PER_FORMAT, PROBE_BACKWARD, PROBE_FORWARD, SCALARS,
                                      SiteObserver)
+from megatron_ext.methods.snip.tensor_store import TensorStore
 from megatron_ext.training.distributed import device
 
 PASSES = (BASE, PROBE_BACKWARD, PROBE_FORWARD)
@@ -53,13 +54,13 @@ def _sample_offsets(args, consumed: int) -> list[int]:
             for k in range(args.num_microbatches)]
 
 
-def make_observers(model, candidates: dict, num_layers: int, noise_scale: float, hold=None
-                   ) -> dict[str, SiteObserver]:
+def make_observers(model, candidates: dict, num_layers: int, noise_scale: float,
+                   store: TensorStore | None = None) -> dict[str, SiteObserver]:
     """An observer on every local site (the last layer's fc2 carries the probe noise), each
-    keeping its base gradient on ``hold`` between passes (None: the model's device)."""
+    keeping its base gradient in ``store`` between passes (None: on the model's device)."""
     noise_site = site_id(num_layers - 1, "fc2")
     return {sid: SiteObserver(sid, module, candidates,
-                              noise_scale if sid == noise_site else 0.0, hold)
+                              noise_scale if sid == noise_site else 0.0, store)
             for sid, module in quantized_linears(model).items()}
 
 
@@ -97,15 +98,15 @@ def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
 
 
 def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: float,
-            dataset=None, a2: dict | None = None, hold=None, probe: str = "isotropic"
-            ) -> tuple[dict[str, SiteObserver], float]:
+            dataset=None, a2: dict | None = None, store: TensorStore | None = None,
+            probe: str = "isotropic") -> tuple[dict[str, SiteObserver], float]:
     """Steps 1-3 on the batch at ``consumed_samples`` of ``dataset`` (default: training's)
     as observed passes through ``run.replay``, one isolated RNG stream for the three;
     returns (observers, base loss). With ``a2`` (:func:`adam_squares`) the A-weighted
-    statistics are complete and no N x K tensor outlives its site's backward; ``hold``: where
+    statistics are complete and no N x K tensor outlives its site's backward; ``store``: where
     the observers keep base gradients between passes (``--snip-offload``); ``probe``: the
     backward probe's noise (``--snip-probe``, :mod:`.probe_noise`)."""
-    observers = make_observers(run.model, candidates, args.num_layers, noise_scale, hold)
+    observers = make_observers(run.model, candidates, args.num_layers, noise_scale, store)
     for sid, obs in observers.items():
         if a2 is not None and sid in a2:
             obs.adam_weighted(a2.pop(sid))
@@ -128,31 +129,32 @@ def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: flo
     return observers, loss
 
 
-def adam_squares(optimizer, model, hold=None) -> tuple[dict, dict]:
-    """After the normal step: (``A²`` of every local site's weight in float32, on ``hold``
-    (None: the weight's device), the AdamW hyper-parameters), for :func:`collect`."""
+def adam_squares(optimizer, model, store: TensorStore | None = None) -> tuple[dict, dict]:
+    """After the normal step: (``A²`` of every local site's weight in float32, put in
+    ``store`` (None: on the weight's device), the AdamW hyper-parameters), for
+    :func:`collect`."""
     weights = {sid: m.weight for sid, m in quantized_linears(model).items()}
-    return adam_terms(optimizer, weights, torch.float32, hold)
+    return adam_terms(optimizer, weights, torch.float32, store)
 
 
 class WeightSnapshot:
-    """A copy of every parameter of ``model`` (its own dtype; on ``hold``, None: its
-    device), taken now; :meth:`swapped` puts it in place for a block and the current values
-    back after."""
+    """A copy of every parameter of ``model`` (its own dtype), taken now and put in
+    :attr:`store`; :meth:`swapped` puts it in place for a block and the current values back
+    after, one parameter at a time (on disk, never two whole copies in memory)."""
 
-    def __init__(self, model, hold=None):
+    def __init__(self, model, store: TensorStore | None = None):
+        self.store = store or TensorStore()
+        """Where the copy waits (``--snip-offload``; default: the model's device)."""
         self.params = [p for chunk in model for p in chunk.parameters()]
-        self.saved = [p.detach().to(hold, copy=True) for p in self.params]
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.saved)
+        self.saved = [self.store.put(p.detach(), copy=True) for p in self.params]
 
     def _swap(self) -> None:
         with torch.no_grad():
-            for p, saved in zip(self.params, self.saved):
-                current = p.detach().to(saved.device, copy=True)
-                p.copy_(saved)
-                saved.copy_(current)
+            for i, p in enumerate(self.params):
+                current = self.store.put(p.detach(), copy=True)
+                p.copy_(self.saved[i].get())
+                self.saved[i].free()
+                self.saved[i] = current
 
     @contextmanager
     def swapped(self):

@@ -92,11 +92,10 @@ from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.layers import tp_group, tp_input
 from megatron_ext.precision.site_formats import PASSTHROUGH
 from megatron_ext.methods.snip.observed_gemm import ObservedGemm, TapInput
-from megatron_ext.methods.snip.probe_noise import dgrad_shaped, seeded_noise
+from megatron_ext.methods.snip.probe_noise import (BASE, PROBE_BACKWARD, PROBE_FORWARD,
+                                                   ProbeNoise)
+from megatron_ext.methods.snip.tensor_store import Stored, TensorStore
 from megatron_ext.training.memory import trim_heap
-
-BASE, PROBE_BACKWARD, PROBE_FORWARD = "base", "probe_backward", "probe_forward"
-"""Refresh passes: statistics (step 1), noise in backward (step 2), in forward (step 3)."""
 
 SCALARS = ("xx", "ww", "dydy", "dxdx", "dxdxN", "dwdw", "AA", "dgB", "dgF", "dgAB",
            "dgAF", "dxB", "dxBN", "resB", "noiseB", "noiseF")
@@ -132,11 +131,12 @@ def _norm_gain(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return gamma2 / (h.square().mean(-1).reshape(-1) + eps)
 
 
-class SiteObserver:
-    """Statistics of one site over a refresh (see the module docstring)."""
+class SiteObserver(ProbeNoise):
+    """Statistics of one site over a refresh (see the module docstring; the probes' noise
+    comes from :class:`~.probe_noise.ProbeNoise`)."""
 
     def __init__(self, site: str, module, candidates: dict[str, tuple[str, ...]],
-                 noise_scale: float = 0.0, hold=None):
+                 noise_scale: float = 0.0, store: TensorStore | None = None):
         self.site = site
         self.column = isinstance(module, ColumnParallelLinear)
         self.sequence_parallel = bool(getattr(module, "sequence_parallel", False))
@@ -161,16 +161,17 @@ class SiteObserver:
         self._dw = None
         self._g_base = None
         """The base pass's DP-averaged dw for step 3's ``dgF`` (freed there): FP32 with one
-        micro-batch and DP = 1 (exact), else float64; on ``hold``."""
-        self.hold = hold
-        """Where ``_g_base`` waits for step 3 (None: the weight's device; ``--snip-offload``);
-        ``A²`` is given on the device it is held on and copied to the weight's for use."""
+        micro-batch and DP = 1 (exact), else float64; a :class:`Stored` of :attr:`store`."""
+        self.store = store or TensorStore()
+        """Where ``_g_base`` waits for step 3 (default: the weight's device;
+        ``--snip-offload``); ``A²`` comes stored the same way and is brought to the
+        weight's device for each use."""
         self._probe_dg: dict[str, torch.Tensor] = {}
         self._wgrad_error = {"WGdy": {f: 0.0 for f in candidates["dy"]},
                              "WGx": {f: 0.0 for f in candidates["x"]}}
         """Signed wgrad errors ``δ_f(dy)^T x`` and ``dy^T δ_f(x)`` (N x K, this rank's shard of
         the weight) summed over the base pass, DP-averaged when the site's pass is complete."""
-        self._a2 = None
+        self._a2: Stored | None = None
         """``A²`` of this site's weight once given (:meth:`adam_weighted`): from then on each
         A-weighted error is weighted and freed as soon as it is complete."""
         self._fwd_micro = self._bwd_micro = self._gemm_micro = 0
@@ -290,7 +291,7 @@ class SiteObserver:
         dropped (:meth:`_weigh`'s sum, the same float64 operations); else summed until the
         site's pass is complete."""
         if self._a2 is not None and len(self.sample_offsets) == 1 and self.dp == 1:
-            self.stats[key][f] += float((self._a2.to(product.device) * product.square()).sum())
+            self.stats[key][f] += float((self._a2.get(product.device) * product.square()).sum())
         else:
             self._wgrad_error[key][f] = self._wgrad_error[key][f] + product
 
@@ -310,48 +311,6 @@ class SiteObserver:
         if self._gemm_micro == len(self.sample_offsets):
             self.end_pass(weight)
 
-    # -- noise (steps 2, 3) -----------------------------------------------------------
-    def noise_like(self, t: torch.Tensor, shard_dim: int | None, micro: int) -> torch.Tensor:
-        """Per-sample seeded N(0, 1) noise shaped like ``t`` ([s, b, ...]) for micro-batch
-        ``micro`` of the pass; when ``shard_dim`` is given ``t`` is this TP rank's slice of
-        a dim ``tp`` times larger (every rank draws the full tensor and keeps its slice)."""
-        stream = 1 if self.mode == PROBE_BACKWARD else 2
-        return seeded_noise(t, shard_dim, self.sample_offsets[micro], stream, self.tp,
-                            self.tp_rank)
-
-    def _global_rms(self, t: torch.Tensor, partial: bool) -> float:
-        total = t.detach().double().square().sum().reshape(1)
-        self._tp_complete(total, partial)
-        numel = t.numel() * (self.tp if partial and self.tp > 1 else 1)
-        return float(total.sqrt()) / numel ** 0.5
-
-    def add_forward_noise(self, x: torch.Tensor) -> torch.Tensor:
-        shard = None if self.column else x.dim() - 1
-        sigma = self.noise_scale * self._global_rms(x, shard is not None)
-        noise = sigma * self.noise_like(x, shard, self._fwd_micro)
-        self._fwd_micro += 1
-        rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseF"] += float(noise.square().sum()) * rep
-        return x + noise.to(x.dtype)
-
-    def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
-        """Noise ``ξ`` that replaces the gradient of the last layer's output (a tensor hook);
-        records ‖ξ‖². Each token's noise is relative to that token's gradient RMS, as a
-        block-scaled format's error is; isotropic, or shaped by :attr:`probe_map`. That output
-        is this site's: sequence-sharded over TP under SP, else replicated."""
-        shard = 0 if self.sequence_parallel else None
-        sigma = self.noise_scale * grad.detach().double().square().mean(-1, keepdim=True).sqrt()
-        if self.probe_map is None:
-            noise = sigma * self.noise_like(grad, shard, self._bwd_micro)
-        else:  # dgrad-shaped (single TP rank: flags.py refuses it with TP > 1)
-            eps = self.noise_like(grad.new_empty(*grad.shape[:-1], self.probe_map.shape[0]),
-                                  shard, self._bwd_micro)
-            noise = dgrad_shaped(eps, self.probe_map, sigma)
-        self._bwd_micro += 1
-        rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseB"] += float(noise.square().sum()) * rep / self.dp ** 2
-        return noise.to(grad.dtype)
-
     # -- end of a pass -------------------------------------------------------------------
     def end_pass(self, weight: torch.Tensor) -> None:
         """DP-average this pass's dw; base: weight statistics, the wgrad errors; probes:
@@ -366,27 +325,30 @@ class SiteObserver:
         if self.mode == BASE:
             self._weight_stats(weight.detach().double(), dw)
             single = len(self.sample_offsets) == 1 and self.dp == 1  # dw: one FP32 GEMM's
-            self._g_base = (dw.float() if single else dw).to(self.hold)  # FP32 where exact
+            self._g_base = self.store.put(dw.float() if single else dw)  # FP32 where exact
             for error in (e for errors in self._wgrad_error.values() for e in errors.values()):
                 if self.dp > 1:  # the global-batch error: DP average (already divided by dp)
                     dist.all_reduce(error, group=parallel_state.get_data_parallel_group())
         else:
-            backward = self.mode == PROBE_BACKWARD
-            key = "dgB" if backward else "dgF"
-            self._probe_dg[key] = dw if backward else dw - self._g_base.to(dw.device).double()
-            self._g_base = None if not backward else self._g_base
-            self.stats[key] += float(self._probe_dg[key].square().sum()) / self.dp
+            key = "dgB" if self.mode == PROBE_BACKWARD else "dgF"
+            if key == "dgF":
+                dw = dw - self._g_base.get(dw.device).double()
+                self._g_base.free()
+                self._g_base = None
+            self._probe_dg[key] = dw
+            self.stats[key] += float(dw.square().sum()) / self.dp
         if self._a2 is not None:
             self._weigh()
         trim_heap()
 
-    def adam_weighted(self, a2: torch.Tensor) -> None:
+    def adam_weighted(self, a2: torch.Tensor | Stored) -> None:
         """The AdamW-weighted statistics, given ``A²`` of this site's local weight after the
-        step (float64, or float32 to hold less); both it and the DP-reduced wgrad errors are
-        replicated over DP (counted once). Given before the passes, each error is weighted as
-        soon as its site's pass is complete and never kept; given after, the kept ones now."""
-        self._a2 = a2
-        self.stats["AA"] += float(a2.double().sum()) / self.dp
+        step (float64, or float32 to hold less; a tensor or a :class:`Stored`); both it and
+        the DP-reduced wgrad errors are replicated over DP (counted once). Given before the
+        passes, each error is weighted as soon as its site's pass is complete and never kept;
+        given after, the kept ones now."""
+        self._a2 = a2 if isinstance(a2, Stored) else Stored(a2)
+        self.stats["AA"] += float(self._a2.get().double().sum()) / self.dp
         self._weigh()
 
     def _weigh(self) -> None:
@@ -395,11 +357,11 @@ class SiteObserver:
         for key, errors in self._wgrad_error.items():
             for f, error in errors.items():
                 if torch.is_tensor(error):
-                    a2 = self._a2.to(error.device) if a2 is None else a2
+                    a2 = self._a2.get(error.device) if a2 is None else a2
                     self.stats[key][f] += float((a2 * error.square()).sum()) / self.dp
                     errors[f] = 0.0
         for key, dg in self._probe_dg.items():
-            a2 = self._a2.to(dg.device) if a2 is None else a2
+            a2 = self._a2.get(dg.device) if a2 is None else a2
             self.stats[key.replace("dg", "dgA")] += float((a2 * dg.square()).sum()) / self.dp
         self._probe_dg = {}
 

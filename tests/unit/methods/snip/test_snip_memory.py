@@ -18,6 +18,13 @@ def test_refresh_memory_by_hand():
     many = memory.refresh_memory(40, 2, sites, tokens=10, micro_batches=4, dp=1, sums_per_site=5)
     assert many.accumulators == 8 * 5 * 32 and many.base_grad == 8 * 32  # every site, float64
     assert many.total == sum([80, 128, 256, 8 * 5 * 32, one.transient])
+    host, disk = (memory.refresh_memory(40, 2, sites, tokens=10, micro_batches=4, dp=1,
+                                        sums_per_site=5, offload=o) for o in ("host", "disk"))
+    for moved in (host, disk):  # one site's A² (FP32) and dw (float64) stay, no snapshot
+        assert moved.snapshot == 0 and moved.adam == 4 * 24 and moved.base_grad == 8 * 24
+        assert moved.total == sum([4 * 24, 8 * 24, 8 * 5 * 32, one.transient])
+    kept = 80 + (4 + 8) * 32  # snapshot, every A² and dw
+    assert (host.host, host.disk, disk.host, disk.disk) == (kept, 0, 0, kept)
 
 
 def test_local_sites_split_like_megatron():

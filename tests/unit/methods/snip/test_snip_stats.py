@@ -14,6 +14,7 @@ from megatron_ext.formats import fake_quant, get_format
 from megatron_ext.precision.layers import quantized_class
 from megatron_ext.methods.snip.probe_noise import dgrad_shaped, entry_map
 from megatron_ext.methods.snip.stats import BASE, PROBE_BACKWARD, PROBE_FORWARD, SiteObserver
+from megatron_ext.methods.snip.tensor_store import TensorStore
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "precision"))
 from precision_helpers import megatron_world  # noqa: E402,F401  (fixture)
@@ -322,20 +323,28 @@ def test_adam_known_in_advance_streams_the_same_statistics():
                 assert got[f] == pytest.approx(v, rel=rel, abs=1e-300), (key, f)
 
 
-def test_offloaded_base_gradient_and_a2_give_the_same_statistics():
+@pytest.mark.parametrize("offload", ["host", "disk"])
+def test_offloaded_base_gradient_and_a2_give_the_same_statistics(offload, tmp_path):
     """``--snip-offload host``: the base gradient waits on the host between passes and ``A²``
-    is copied to the weight's device for use; every statistic is bit-identical to keeping
-    them on the model's device (on CPU both are the host: the copies are exercised)."""
+    is copied to the weight's device for use; ``disk``: both wait in files, read back at
+    each use. Every statistic is bit-identical to keeping them on the model's device (on CPU
+    host is the same memory: the copies are exercised); the base gradient's file is gone
+    after step 3, and closing the store removes the folder."""
     torch.manual_seed(7)
     layer = _layer(RowParallelLinear)
     x, r = torch.randn(S, B, F), torch.randn(S, B, H)
     a2 = torch.rand(H, F)
     runs = []
-    for hold in (None, torch.device("cpu")):
-        obs = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1, hold=hold)
-        obs.adam_weighted(a2)
+    for store in (TensorStore(), TensorStore.for_offload(offload, str(tmp_path))):
+        obs = SiteObserver("L0.fc2", layer, CANDIDATES, noise_scale=0.1, store=store)
+        obs.adam_weighted(store.put(a2))
         for mode in (BASE, PROBE_BACKWARD, PROBE_FORWARD):
             _run(layer, obs, x, r, mode)
         runs.append(obs.stats)
+        assert obs._g_base is None
+        if store.folder is not None:
+            assert sorted(p.name for p in Path(store.folder).iterdir()) == ["0.pt"]  # A²
+        store.close()
     assert runs[0] == runs[1]
     assert runs[0]["dgAF"] > 0 and all(v > 0 for v in runs[0]["WGdy"].values())
+    assert list(tmp_path.iterdir()) == []

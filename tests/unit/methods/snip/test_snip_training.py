@@ -62,6 +62,22 @@ def test_dgrad_probe_changes_only_the_backward_probe(snip_run, tmp_path):
     assert len(noise) == 1 and 0.9 < noise[0][1] / noise[0][0] < 1.1
 
 
+def test_disk_offload_gives_the_same_refresh_and_leaves_no_files(snip_run, tmp_path):
+    """--snip-offload disk (snapshot, A² and base gradients in files between uses): the
+    refresh's stats.json and plan are bit-identical to the in-memory run's (``none`` on
+    CPU), and so are the losses; the offload folder is gone after the refresh."""
+    run_dir = tmp_path / "disk"
+    launch([*FAST_ARGS, *SNIP, "--snip-offload", "disk", "--train-iters", "8", "--no-save",
+            "--run-dir", str(run_dir)])
+    for step in ("step_000002", "step_000005"):
+        out, ref = run_dir / "snip" / step, snip_run / "snip" / step
+        assert json.loads((out / "stats.json").read_text()) == \
+            json.loads((ref / "stats.json").read_text())
+        assert load_plan(str(out / "plan.json")).hash == load_plan(str(ref / "plan.json")).hash
+    assert train_losses(run_dir) == train_losses(snip_run)
+    assert not list(run_dir.glob("snip_offload_*"))
+
+
 def test_plan_switches_at_the_apply_step(snip_run):
     records = [r for r in read_metrics(snip_run) if "loss" in r]
     hashes = [r["precision_plan"] for r in records]

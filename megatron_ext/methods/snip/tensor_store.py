@@ -1,0 +1,108 @@
+"""Where a SNIP refresh keeps tensors between their uses (``--snip-offload``).
+
+A refresh keeps three kinds of tensors from one use to a later one: the weight snapshot
+(:class:`~megatron_ext.methods.snip.refresh.WeightSnapshot`), AdamW's ``A²`` of every site
+(:mod:`.adam`) and each site's base-pass gradient (:class:`~.stats.SiteObserver`). A
+:class:`TensorStore` takes each (:meth:`TensorStore.put`) and gives back a :class:`Stored`
+handle whose :meth:`Stored.get` brings the tensor back where it is used:
+
+* in memory (``none``: where the tensor already is; ``host``: CPU memory): the handle holds
+  the tensor itself;
+* ``disk``: the tensor is written to a file (``torch.save``) in a folder of its own under the
+  run directory and read back (``torch.load``) at each use, so memory holds one site's
+  tensor at a time. Page cache is not resident memory of the process; memory-mapped files
+  would be, so files are read, not mapped. :meth:`TensorStore.close` removes the folder (the
+  refresh uses the store as a ``with`` block; a store never closed is removed when collected
+  or at exit).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+OFFLOADS = ("auto", "host", "disk", "none")
+"""``--snip-offload`` choices."""
+
+
+def resolve(offload: str, device_type: str) -> str:
+    """``--snip-offload`` on a model on ``device_type``: ``auto`` is ``host`` on a GPU and
+    ``none`` elsewhere; the others are themselves."""
+    if offload == "auto":
+        return "host" if device_type == "cuda" else "none"
+    return offload
+
+
+@dataclass
+class Stored:
+    """One tensor put in a :class:`TensorStore`."""
+
+    tensor: torch.Tensor | None = None
+    """The tensor itself (a store in memory); None on disk or once freed."""
+    path: str | None = None
+    """Its file (a store on disk); None in memory or once freed."""
+
+    def get(self, device: torch.device | None = None) -> torch.Tensor:
+        """The tensor on ``device`` (None: where it is kept; from disk: where it was put)."""
+        if self.path is None:
+            return self.tensor.to(device)
+        return torch.load(self.path, map_location=device, weights_only=True)
+
+    def free(self) -> None:
+        """Drop the tensor (its file too); :meth:`get` then fails."""
+        if self.path is not None:
+            os.remove(self.path)
+        self.tensor = self.path = None
+
+
+class TensorStore:
+    """Keeps tensors in memory on one device, or in files of one folder (module docstring)."""
+
+    def __init__(self, device: torch.device | None = None, folder: str | None = None):
+        self.device = device
+        """In memory: where tensors are kept (None: where each already is)."""
+        self.folder = folder
+        """On disk: the folder of the files (None: in memory)."""
+        self._files = 0
+        """Files written so far (each gets the next number as its name)."""
+        self._remove = weakref.finalize(self, shutil.rmtree, folder, True) if folder else None
+        """Removes the folder once: at :meth:`close`, when collected, or at exit."""
+
+    @classmethod
+    def for_offload(cls, offload: str, parent: str) -> TensorStore:
+        """The store of a resolved ``--snip-offload`` (:func:`resolve`): ``disk`` makes a new
+        folder ``snip_offload_*`` under ``parent`` (the run directory)."""
+        if offload == "disk":
+            os.makedirs(parent, exist_ok=True)
+            return cls(folder=tempfile.mkdtemp(prefix="snip_offload_", dir=parent))
+        return cls(torch.device("cpu") if offload == "host" else None)
+
+    def put(self, tensor: torch.Tensor, copy: bool = False) -> Stored:
+        """Keep ``tensor`` (in memory: moved to :attr:`device`, a new copy with ``copy``
+        even where it already is; on disk: always a copy, of its elements only)."""
+        if self.folder is None:
+            return Stored(tensor.to(self.device, copy=copy))
+        path = os.path.join(self.folder, f"{self._files}.pt")
+        self._files += 1
+        tensor = tensor.detach()
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # a view: torch.save would write its whole storage
+        torch.save(tensor, path)
+        return Stored(path=path)
+
+    def close(self) -> None:
+        """Remove the folder and every file in it (in memory: nothing to do)."""
+        if self._remove is not None:
+            self._remove()
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Leaving a ``with`` block, normally or by an exception: :meth:`close`."""
+        self.close()
