@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "files in <run-dir>/snip_offload_*/ (read back one site or parameter "
                         "at a time, removed after the refresh; bounds CPU memory), none = the "
                         "model's device; auto (default) = host when the model is on a GPU, "
-                        "else none")
+                        "else disk")
     g.add_argument("--snip-probe", choices=PROBES, default="isotropic",
                    help="the backward probe's noise (step 2): isotropic per token (the "
                         "paper's), or dgrad: shaped like a dgrad error entering the residual "
@@ -93,7 +93,7 @@ class SnipConfig:
     offload: str = "auto"
     """``--snip-offload``: where a refresh holds its snapshot, ``A²`` and base gradients
     between uses (:mod:`.tensor_store`): ``host`` memory, ``disk`` files under the run
-    directory, ``none`` (the model's device), or ``auto`` (host on a GPU, else none)."""
+    directory, ``none`` (the model's device), or ``auto`` (host on a GPU, else disk)."""
     probe: str = "isotropic"
     """``--snip-probe``: the backward probe's noise, isotropic or dgrad-shaped."""
     weights: tuple[float, float] = (1.0, 1.0)

@@ -31,10 +31,11 @@ OFFLOADS = ("auto", "host", "disk", "none")
 
 
 def resolve(offload: str, device_type: str) -> str:
-    """``--snip-offload`` on a model on ``device_type``: ``auto`` is ``host`` on a GPU and
-    ``none`` elsewhere; the others are themselves."""
+    """``--snip-offload`` on a model on ``device_type``: ``auto`` keeps the refresh's
+    tensors out of the memory training uses, ``host`` on a GPU and ``disk`` elsewhere (on
+    CPU the host is that memory); the others are themselves."""
     if offload == "auto":
-        return "host" if device_type == "cuda" else "none"
+        return "host" if device_type == "cuda" else "disk"
     return offload
 
 

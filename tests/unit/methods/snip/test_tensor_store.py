@@ -61,7 +61,7 @@ def test_an_unclosed_disk_store_is_removed_when_dropped(tmp_path):
 
 
 def test_auto_is_host_on_a_gpu_and_none_elsewhere():
-    assert resolve("auto", "cuda") == "host" and resolve("auto", "cpu") == "none"
+    assert resolve("auto", "cuda") == "host" and resolve("auto", "cpu") == "disk"
     assert [resolve(o, "cpu") for o in ("host", "disk", "none")] == ["host", "disk", "none"]
 
 
