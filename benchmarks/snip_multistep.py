@@ -3,6 +3,8 @@
     python benchmarks/snip_multistep.py --run-dir runs/ms_1234 --load-step 20
     python benchmarks/snip_multistep.py --run-dir runs/ms_1235 --load-step 20 \\
         --model-args "--seed 1235" --sites L0.qkv,L0.fc1,L3.fc1 --steps 1,10,50
+    python benchmarks/snip_multistep.py --run-dir runs/ms_1235 --model-args "--seed 1235" \\
+        --reestimate runs/ms_1235.json     # no trajectories: the one-step estimate again
 
 Trains the tiny Llama of ``examples/compare/snip_regime.yaml`` (FP32, lr 1e-3 → 1e-4 over
 200 steps) into ``--run-dir`` with a checkpoint every 20 steps up to the largest
@@ -12,7 +14,10 @@ option (``dy`` in FP4, ``xw``: x and w in FP4, ``all``: the whole site; the regi
 the site), N steps of training against N unquantized ones. Prints per option how the effect
 grows with N (slope of log effect vs log N: 1 coherent, 0.5 random walk), the rank
 correlation of SNIP's one-step estimate with the N-step truth, and the ILP's plan at
-``--budget`` with ΔW weighted 1 (the paper's Q) and by the measured growth.
+``--budget`` with ΔW weighted 1 (the paper's Q) and by the measured growth. With
+``--reestimate JSON`` (an earlier ``--json``) it only re-runs the refresh and compares the
+one-step ΔW estimate with that run's measured one-step ΔW, with a forward error reaching the
+sites at or below the quantized one (the paper's) and every site (:func:`reach_table`).
 """
 
 from __future__ import annotations
@@ -84,6 +89,25 @@ def summarize(truth) -> dict:
     return out
 
 
+def reach_table(truth: dict, refresh) -> dict:
+    """Per option of an earlier run's ``truth`` and per forward reach
+    (:data:`~megatron_ext.methods.snip.divergence.FORWARD_REACH`): the measured one-step ΔW
+    over SNIP's estimate for each site, and the Spearman of the two."""
+    from megatron_ext.methods.snip.divergence import FORWARD_REACH, weight_divergences
+    stats, _, hyper = refresh
+    rows = [[s.site for s in stats].index(sid) for sid in truth["sites"]]
+    one = truth["steps"].index(1)
+    out = {}
+    for i, name in enumerate(truth["options"]):
+        measured = [dw[one] for dw in truth["dW"][i]]
+        for reach in FORWARD_REACH:
+            est = weight_divergences(stats, [option_formats(name)], hyper,
+                                     forward_reach=reach)[rows, 0]
+            out[f"{name} {reach}"] = {"spearman": _spearman(est, measured),
+                                      "measured/est": [m / e for m, e in zip(measured, est)]}
+    return out
+
+
 def ilp_plans(args, refresh, budget: float, weights: list[float]) -> dict:
     """The ILP's plan at ``budget`` from ``refresh`` with Q = ΔL + w ΔW for each w."""
     from megatron_ext.methods.snip.candidates import parse_candidates
@@ -132,6 +156,11 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="1,10,50", help="ΔW weights w of the ILP what-if")
     p.add_argument("--model-args", default="", help="extra pretrain flags, one string")
     p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument("--reestimate", default=None, metavar="JSON",
+                   help="no trajectories: compare the one-step ΔW estimate, with the forward "
+                        "error reaching the sites at or below the quantized one (the paper's) "
+                        "and every site, with the measured one-step ΔW of this earlier --json "
+                        "(the same --run-dir, --load-step and --model-args)")
     opts = p.parse_args(argv)
     from megatron_ext.methods.snip.candidates import parse_candidates
     from megatron_ext.methods.snip.multistep import measure, refresh_at
@@ -142,6 +171,12 @@ def main(argv=None) -> int:
         _train(run_dir, opts.load_step, extra)
     args, run = load_run(ckpt, run_dir / "multistep", [*REGIME, *extra])
     refresh = refresh_at(args, run, parse_candidates(CANDIDATES).all_formats(), 1e-2)
+    if opts.reestimate:
+        table = reach_table(json.loads(Path(opts.reestimate).read_text())["truth"], refresh)
+        for key, row in table.items():
+            print(f"{key:10} Spearman {row['spearman']:+.2f}; measured / est. ΔW after one "
+                  "step: " + " ".join(f"{v:.2f}" for v in row["measured/est"]))
+        return 0
     names = opts.options.split(",")
     if not set(names) <= set(OPTIONS):
         p.error(f"--options: expected names of {list(OPTIONS)}, got {opts.options!r}")

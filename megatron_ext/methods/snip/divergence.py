@@ -60,7 +60,10 @@ How ``e_B`` and ``e_F`` reach site ``l``'s gradient is the second-order term
 
 The forward error is carried like the step-3 probe (noise ``ν`` on the last ``fc2``'s input):
 ``GA_F(l)² = ‖A_l ⊙ Δg_l‖² / ‖ν‖²`` for every site at or below ``j`` (**approximation**: an
-error entering at ``j`` reaches the sites with the gain measured from the top).
+error entering at ``j`` reaches the sites with the gain measured from the top). "At or below"
+is the paper's (§4.3.1: ``g_l(X_j, ...)`` for ``j ≥ l``); a forward error also changes the input
+of every site above ``j``, which the multi-step ground truth shows matters: the estimate falls
+short up to 13x at the first layer (docs/snip.md; ``forward_reach="all"`` is the what-if).
 
 **Weight divergence** (§4.3.2, Definition 4.4) through AdamW's derivative ``α c A``
 (:mod:`megatron_ext.methods.snip.adam`), kept element-wise::
@@ -156,11 +159,21 @@ def adam_step_size(hyper: dict) -> float:
     return hyper["lr"] * math.sqrt(1 - hyper["beta2"] ** t) / (1 - hyper["beta1"] ** t)
 
 
+FORWARD_REACH = ("below", "all")
+"""Which sites' gradients a forward error at site j changes in the ΔW estimate: ``below``, the
+sites at or below j (the paper's §4.3.1, the method's), or ``all`` (it also changes the input
+of every site above j; a what-if, ``benchmarks/snip_multistep.py --reestimate``)."""
+
+
 def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper: dict,
-                       include_forward: bool = True, include_dgrad: bool = True) -> np.ndarray:
+                       include_forward: bool = True, include_dgrad: bool = True,
+                       forward_reach: str = "below") -> np.ndarray:
     """ΔW[site, option] of §4.3 (array of shape sites x options); ``include_forward=False``
     leaves out the forward error ``e_F`` (an option whose fprop stays exact),
-    ``include_dgrad=False`` the dgrad error ``e_B`` (only the site's own wgrad quantized)."""
+    ``include_dgrad=False`` the dgrad error ``e_B`` (only the site's own wgrad quantized),
+    ``forward_reach``: :data:`FORWARD_REACH`."""
+    if forward_reach not in FORWARD_REACH:
+        raise ValueError(f"forward_reach: expected one of {FORWARD_REACH}, got {forward_reach!r}")
     step = adam_step_size(hyper)
     scale = np.array([step * _safe_div(1.0, math.sqrt(s.stats["ww"])) for s in sites])
     noise_f = sum(s.stats["noiseF"] for s in sites)
@@ -171,7 +184,7 @@ def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper
     for j, s in enumerate(sites):
         entry = j if pred[j] is None else pred[j]
         below = np.arange(len(sites)) < entry
-        upto = np.arange(len(sites)) <= j
+        upto = np.arange(len(sites)) <= j if forward_reach == "below" else np.ones(len(sites))
         for i, o in enumerate(options):
             own, e_b, e_f = _gradient_errors(s, o)
             e_b = e_b if include_dgrad else 0.0

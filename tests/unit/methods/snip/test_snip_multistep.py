@@ -44,3 +44,17 @@ def test_reference_is_the_uninterrupted_run_and_options_diverge(tmp_path):
     assert all(v > 0 for row in truth["est_dW"] for v in row)
     # ΔL of x, w in FP8 (the dy option) is far below that of x, w in FP4
     assert all(0 < a < b / 4 for a, b in zip(*truth["est_dL"]))
+    # --reestimate: the paper's reach gives this run's estimate again; reaching every site
+    # adds the sites above each one (both have some: L1.proj, fc1, fc2 are above L1.qkv)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "snip_multistep.py"), "--run-dir",
+         str(tmp_path / "run"), "--load-step", "2", f"--model-args={' '.join(SMALL)}",
+         "--reestimate", str(out)], capture_output=True, text=True, cwd=REPO, timeout=900,
+        check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = {" ".join(line.split()[:2]): [float(v) for v in line.split(":")[-1].split()]
+              for line in proc.stdout.splitlines() if "measured / est." in line}
+    for i, name in enumerate(truth["options"]):
+        paper = [dw[0] / est for dw, est in zip(truth["dW"][i], truth["est_dW"][i])]
+        assert ratios[f"{name} below"] == [round(v, 2) for v in paper]
+        assert all(a < b for a, b in zip(ratios[f"{name} all"], ratios[f"{name} below"]))

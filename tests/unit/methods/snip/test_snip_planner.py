@@ -10,7 +10,8 @@ from megatron_ext.precision.cost import ModelShape, flop_report, site_cost, stag
 from megatron_ext.sites import SITES
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import planner
-from megatron_ext.methods.snip.divergence import SiteStats, divergences, loss_divergence
+from megatron_ext.methods.snip.divergence import (SiteStats, divergences, loss_divergence,
+                                                  weight_divergences)
 from megatron_ext.methods.snip.ilp import SolverConfig
 from megatron_ext.methods.snip.candidates import fp4_roles, option_name, parse_candidates, parse_option_name
 
@@ -82,6 +83,20 @@ def test_weight_divergence_grows_with_the_error_and_reaches_lower_layers():
     assert div[2][fp4].q > div[1][fp4].q  # the sensitive site costs more
     # a site's error reaches every layer below it: the top site's ΔW has more terms
     assert div[1][fp4].dW > div[0][fp4].dW
+
+
+def test_forward_reach_all_adds_the_sites_above():
+    """``forward_reach="all"``: a forward error also reaches the sites above its own; the top
+    site has none above, so its estimate is the paper's; dgrad-only options do not move."""
+    hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "step": 10.0, "eps": 1e-8}
+    sites = [_stats("L0.fc1"), _stats("L1.fc1"), _stats("L2.fc1")]
+    paper = weight_divergences(sites, OPTIONS, hyper)
+    reach = weight_divergences(sites, OPTIONS, hyper, forward_reach="all")
+    assert np.allclose(reach[2], paper[2]) and (reach[:2] > paper[:2]).all()
+    no_fwd = weight_divergences(sites, OPTIONS, hyper, False, forward_reach="all")
+    assert np.array_equal(no_fwd, weight_divergences(sites, OPTIONS, hyper, False))
+    with pytest.raises(ValueError, match="forward_reach"):
+        weight_divergences(sites, OPTIONS, hyper, forward_reach="above")
 
 
 def test_snip_keeps_the_sensitive_site_in_fp8():
