@@ -246,7 +246,7 @@ def markdown(results: dict) -> str:
         if not rows:
             lines += [f"{section}: {results.get(section, {}).get('error', 'not run')}", ""]
             continue
-        keys = [k for k in rows[0] if k not in ("log", "error")]
+        keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("log", "error")]
         lines += [f"### {section}", "", "| " + " | ".join(keys) + " |",
                   "|" + "---|" * len(keys)]
         lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]

@@ -39,10 +39,12 @@ def test_the_report_renders_every_section():
 
     results = {"env": {"gpu": "H100"},
                "train": {"rows": [{"config": "bf16", "tokens/s": 100, "log": ["x"]},
-                                  {"config": "snip", "error": "CUDA out of memory"}]},
+                                  {"config": "snip", "error": "CUDA out of memory"},
+                                  {"config": "pgq", "tokens/s": 50, "profile s": 2.0}]},
                "gemm": {"error": "RuntimeError: boom"}, "main": {"returncode": 0}}
     text = markdown(results)
-    assert "| config | tokens/s |" in text and "| bf16 | 100 |" in text
+    assert "| config | tokens/s | profile s |" in text and "| bf16 | 100 |  |" in text
+    assert "| pgq | 50 | 2.0 |" in text  # a column only a later row has
     assert "error in snip: CUDA out of memory" in text
     assert "gemm: RuntimeError: boom" in text and "formats: not run" in text
 
