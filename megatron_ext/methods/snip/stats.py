@@ -263,13 +263,15 @@ class SiteObserver(ProbeNoise):
         each error GEMM product squared as soon as it is made."""
         x, w = x2.detach().double(), w.detach().double()
         dy = dy2.detach().double().div_(self.dp)
+        weigh_now = self._a2 is not None and len(self.sample_offsets) == 1 and self.dp == 1
+        a2 = self._a2.get(x2.device) if weigh_now else None  # read once (host / disk offload)
         x_rows, dy_rows = _rows_sq(x), _rows_sq(dy)
         rep_dy = 1.0 if self.column else 1.0 / self.tp
         self._add("dydy", dy_rows, rep=rep_dy)
         for f in self.candidates["x"]:
             err = _error(x2.t(), f, -1, self.group).t().double()
             self._add("Gx", _rows_sq(err) * dy_rows, f)
-            self._wgrad("WGx", f, dy.t() @ err)
+            self._wgrad("WGx", f, dy.t() @ err, a2)
             err = None
         for f in self.candidates["w"]:  # dy·δ_f(w): this micro-batch's dgrad error (M x K)
             self._dgrad_error("Bw", f, dy @ _error(w.t(), f, -1, self.group).t().double())
@@ -281,17 +283,17 @@ class SiteObserver(ProbeNoise):
             err = None
             err = _error(dy2.t(), f, -1, self.group).t().double().div_(self.dp)
             self._add("Gdy", _rows_sq(err) * x_rows, f)
-            self._wgrad("WGdy", f, err.t() @ x)
+            self._wgrad("WGdy", f, err.t() @ x, a2)
             err = None
         trim_heap()
 
-    def _wgrad(self, key: str, f: str, product: torch.Tensor) -> None:
-        """Add one micro-batch's wgrad error ``product`` (N x K). When it is the whole global
-        batch's (one micro-batch, no DP) and ``A²`` is known, it is weighted at once and
-        dropped (:meth:`_weigh`'s sum, the same float64 operations); else summed until the
-        site's pass is complete."""
-        if self._a2 is not None and len(self.sample_offsets) == 1 and self.dp == 1:
-            self.stats[key][f] += float((self._a2.get(product.device) * product.square()).sum())
+    def _wgrad(self, key: str, f: str, product: torch.Tensor, a2: torch.Tensor | None) -> None:
+        """Add one micro-batch's wgrad error ``product`` (N x K). Given ``a2`` (``A²`` on the
+        product's device: the error is the whole global batch's, one micro-batch and no DP),
+        it is weighted at once and dropped (:meth:`_weigh`'s sum, the same float64
+        operations); else summed until the site's pass is complete."""
+        if a2 is not None:
+            self.stats[key][f] += float((a2 * product.square()).sum())
         else:
             self._wgrad_error[key][f] = self._wgrad_error[key][f] + product
 
