@@ -3,9 +3,10 @@ bfloat16 / float16 inputs, bit for bit the torch reference for nearest-even.
 
 Two launch plans:
 
-* **fused** (tile ``1xN``, MX, NVFP4 block scales): one pass per element (load, block amax,
-  scale, round, dequantize, store), a program holding whole 1-row blocks;
-* **two-pass** (per tensor, per row, ``NxN`` blocks): an amax kernel reduces each program's
+* **fused** (tile ``1xN``, MX, NVFP4 block scales, and per row up to ``ROW_FUSED_MAX``
+  columns): one pass per element (load, block amax, scale, round, dequantize, store), a
+  program holding whole 1-row blocks — one read and one write, ``clone()``'s traffic;
+* **two-pass** (per tensor, longer rows, ``NxN`` blocks): an amax kernel reduces each program's
   tile and ``atomic_max``-es it into its scale block's amax (int32 bits of a non-negative
   float32 order as the floats do), then the apply kernel reads each row's amax and quantizes.
   NVFP4's tensor amax also comes from the amax kernel (no host synchronisation).
@@ -298,12 +299,23 @@ def fake_quant_2d(
     """Quantize-dequantize a contiguous 2-D tensor (blocks along dim 1) with the kernels
     (``tensor_amax``: the whole tensor's when ``x`` is a shard, as in ``fake_quant``)."""
     s = fmt.scaling
+    if isinstance(s, AmaxScaling) and s.rows == 1 and s.cols is None:  # per row
+        block_k = triton.next_power_of_2(x.shape[1])
+        if block_k <= ROW_FUSED_MAX:  # a whole row in one program: masked to its length
+            return _fused(x, fmt, generator, tensor_amax, block_k)
     if isinstance(s, AmaxScaling) and (s.rows != 1 or s.cols is None):
         return _two_pass(x, fmt, generator, tensor_amax)
-    return _fused(x, fmt, generator, tensor_amax)
+    return _fused(x, fmt, generator, tensor_amax, s.cols)
 
 
-def _fused(x, fmt, generator, amax) -> torch.Tensor:
+ROW_FUSED_MAX = 16384
+"""Longest row (padded to a power of two) that per-row scaling quantizes in one pass, a row
+per program; longer rows take the two-pass plan."""
+
+
+def _fused(x, fmt, generator, amax, block_k: int) -> torch.Tensor:
+    """The fused kernel over 1 x ``block_k`` scale blocks: up to 32 rows of 128 values or
+    more, 8192 values at most unless one block is longer (a long row: one per program)."""
     rows, cols = x.shape
     if not fmt.scaling.needs_tensor_amax:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
@@ -311,14 +323,16 @@ def _fused(x, fmt, generator, amax) -> torch.Tensor:
         amax = tensor_amax(x)
     else:
         amax = amax.reshape(1).float()
-    block_k = fmt.scaling.cols
     num_blocks = max(1, 128 // block_k)
-    grid = (triton.cdiv(rows, 32), triton.cdiv(cols, num_blocks * block_k))
+    block_m = max(1, min(32, 8192 // (num_blocks * block_k)))
+    elems = block_m * num_blocks * block_k
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, num_blocks * block_k))
     y = torch.empty_like(x)
     _fused_kernel[grid](
-        x, y, rows, cols, amax, BLOCK_M=32, NUM_BLOCKS=num_blocks, BLOCK_K=block_k,
+        x, y, rows, cols, amax, BLOCK_M=block_m, NUM_BLOCKS=num_blocks, BLOCK_K=block_k,
         SCALING={AmaxScaling: _AMAX, MXScaling: _MX, NVScaling: _NV}[type(fmt.scaling)],
-        num_warps=8 if 32 * num_blocks * block_k >= 8192 else 4, **_element_args(fmt, x, generator),
+        num_warps=16 if elems >= 16384 else 8 if elems >= 8192 else 4,
+        **_element_args(fmt, x, generator),
     )  # fmt: skip
     return y
 

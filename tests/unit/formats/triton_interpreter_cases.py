@@ -23,6 +23,7 @@ NEAREST = [
     ("mxfp8", (37, 300)), ("mxfp6_e3m2", (37, 100)), ("nvfp4", (37, 300)), ("int8@tile128", (37, 300)),
     ("int4@block32", (40, 70)), ("fp8_e4m3", (37, 300)), ("fp8_e4m3", (16, 192)), ("fp4_e2m1", (37, 300)),
     ("int8", (37, 300)), ("fp8_e4m3@row", (37, 300)), ("int8@row", (300, 64)), ("int4@row", (5, 2100)),
+    ("int8@row", (5, 16500)),  # longer than ROW_FUSED_MAX: the two-pass plan
     ("fp8_e4m3@block64", (130, 200)), ("fp4_e2m1@block256", (260, 300)),
 ]  # fmt: skip
 
@@ -46,6 +47,29 @@ def test_kernel_matches_reference_bit_for_bit(name, shape, dtype):
     x = special_input(shape, dtype)
     assert tk.supports(fmt, x)
     assert_bits_equal(tk.fake_quant_2d(x, fmt), fake_quant_2d(x, fmt))
+
+
+def test_per_row_takes_one_pass_up_to_its_limit():
+    """Rows up to ROW_FUSED_MAX (padded) in the fused kernel, longer ones in two passes."""
+    calls = []
+    fused, two_pass = tk._fused, tk._two_pass
+    tk._fused = lambda *a: calls.append("fused") or fused(*a)
+    tk._two_pass = lambda *a: calls.append("two-pass") or two_pass(*a)
+    try:
+        for cols in (300, tk.ROW_FUSED_MAX, tk.ROW_FUSED_MAX + 1):
+            tk.fake_quant_2d(torch.ones(1, cols), get_format("int8@row"))
+    finally:
+        tk._fused, tk._two_pass = fused, two_pass
+    assert calls == ["fused", "fused", "two-pass"]
+
+
+@pytest.mark.parametrize("name", ["int8@row", "int8@row+sr", "fp8_e4m3@row"])
+def test_per_row_one_pass_equals_two_pass(name):
+    """Both plans give the same bits, stochastic draws included (keyed by element index)."""
+    fmt, x = get_format(name), special_input((9, 300), torch.bfloat16)
+    one = tk._fused(x, fmt, torch.Generator().manual_seed(5), None, 512)
+    two = tk._two_pass(x, fmt, torch.Generator().manual_seed(5), None)
+    assert_bits_equal(one, two)
 
 
 def test_kernel_float16():
