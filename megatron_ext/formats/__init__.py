@@ -64,6 +64,7 @@ nearest rounding. ``MEGATRON_EXT_FORMATS_BACKEND=torch`` keeps CUDA on the refer
 See ``docs/formats.md`` for the table of formats and the measured throughput.
 """
 
+from .error import error_sums
 from .elements import ELEMENTS, CastElement, ElementType, FloatElement, IntElement, get_element
 from .pipeline import fake_quant, fake_quant_2d
 from .quantized import QuantizedTensor, dequantize, quantize
@@ -88,6 +89,7 @@ __all__ = [
     "Scaling",
     "available",
     "dequantize",
+    "error_sums",
     "fake_quant",
     "fake_quant_2d",
     "get_element",

@@ -99,13 +99,23 @@ def from_2d(y2: torch.Tensor, shape: tuple[int, ...], axis: int) -> torch.Tensor
     return y if axis == len(shape) - 1 else y.movedim(-1, axis).contiguous()
 
 
+def triton_backend(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take ``x``: a CUDA tensor, triton importable, and
+    ``BACKEND_ENV`` not ``torch`` (otherwise the torch reference runs on CUDA too)."""
+    if not x.is_cuda or os.environ.get(BACKEND_ENV, "auto") == "torch":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _dispatch(x2: torch.Tensor, fmt: Format, generator, tensor_amax) -> torch.Tensor:
-    if x2.is_cuda and os.environ.get(BACKEND_ENV, "auto") != "torch":
-        try:
-            from . import triton_kernels
-        except ImportError:  # no triton: the torch reference runs on CUDA too
-            triton_kernels = None
-        if triton_kernels is not None and triton_kernels.supports(fmt, x2):
+    if triton_backend(x2):
+        from . import triton_kernels
+
+        if triton_kernels.supports(fmt, x2):
             return triton_kernels.fake_quant_2d(x2, fmt, generator, tensor_amax)
     return fake_quant_2d(x2, fmt, generator, tensor_amax=tensor_amax)
 

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ext.formats import Format, fake_quant
+from megatron_ext.formats import Format, error_sums, fake_quant
+from megatron_ext.formats.error import SUMS as ERROR_SUMS
 from megatron_ext.methods.gnmr.rules import OperandStats
 from megatron_ext.methods.gnmr.units import unit_of_site
 from megatron_ext.precision.layers import quantized_linears
@@ -51,17 +52,16 @@ from megatron_ext.precision.site_formats import resolve
 from megatron_ext.sites import OPERANDS
 from megatron_ext.training.distributed import device
 
-SUMS = ("underflow", "sq_err", "sq", "numel")
+SUMS = (*ERROR_SUMS, "numel")
 """The four sums kept per site and operand (module docstring)."""
 
 
-def error_sums(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def operand_sums(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``[underflow count, Σ (t-q)^2, Σ t^2, numel]`` of ``t`` and its dequantized ``q``
-    (float64, on ``t``'s device)."""
-    t64, q64 = t.double(), q.double()
-    return torch.stack([((t64 != 0) & (q64 == 0)).sum().double(),
-                        (t64 - q64).square().sum(), t64.square().sum(),
-                        torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device)])
+    (float64, on ``t``'s device; the first three from :func:`~megatron_ext.formats.error_sums`,
+    one Triton pass on a GPU)."""
+    numel = torch.tensor([float(t.numel())], dtype=torch.float64, device=t.device)
+    return torch.cat([error_sums(t, q), numel])
 
 
 def unit_stats(sums: np.ndarray, sites: Sequence[str], units: Sequence[str],
@@ -120,7 +120,7 @@ class OperandStatsCollector:
             self.generator.manual_seed(self.seed)
         with torch.no_grad():
             q = fake_quant(t.detach(), fmt, axis=axis, generator=self.generator)
-            sums = error_sums(t.detach(), q)
+            sums = operand_sums(t.detach(), q)
         if sid not in self.sums:
             self.sums[sid] = torch.zeros(len(OPERANDS), len(SUMS), dtype=torch.float64,
                                          device=t.device)

@@ -8,7 +8,8 @@ the first step this process trains — after ``--load``, which ``after_setup`` w
 the ``--pgq-profile-steps`` batches training consumes next. The platform's ``commit_step``
 phase follows every ``before_step`` and commits the recipe, so the very first step already
 runs it; the profile's time is reported as ``pgq_profile_s`` in that step's metrics, outside
-``step_time_s``. Nothing stays attached: every other step runs without overhead.
+``step_time_s``, and its last batch's as ``pgq_profile_last_batch_s`` (on a GPU the first
+batch also compiles the Triton kernels it uses first). Nothing stays attached: every other step runs without overhead.
 
 With ``--pgq-profile-start N`` the first N steps train under the safe plan and the profile
 is taken before step N+1 (after the early transient: at random init every site looks alike).
@@ -105,6 +106,7 @@ class PgqRun:
         self.logits: dict | None = None
         """The output layer's formats (``SiteFormats.to_dict``), None: megatron's GEMM."""
         self._profile_s: float | None = None
+        self._batch_s: list[float] = []
         self._logits_installed = False
 
     def validate(self, args) -> None:
@@ -137,8 +139,9 @@ class PgqRun:
             return
         if state.iteration < args.pgq_profile_start:
             return
-        start = time.perf_counter()
-        profile = collect_profile(args, run, state, args.pgq_profile_steps, self.candidates)
+        start, self._batch_s = time.perf_counter(), []
+        profile = collect_profile(args, run, state, args.pgq_profile_steps, self.candidates,
+                                  self._batch_s)
         recipe = make_recipe(profile, recipe_config(args))
         payload = [None]
         if dist.get_rank() == 0:
@@ -163,7 +166,7 @@ class PgqRun:
         if self._profile_s is None:
             return None
         seconds, self._profile_s = self._profile_s, None
-        return {"pgq_profile_s": seconds}
+        return {"pgq_profile_s": seconds, "pgq_profile_last_batch_s": self._batch_s[-1]}
 
     def state_dict(self) -> dict:
         return {"profiled_at": self.profiled_at, "logits": self.logits}

@@ -30,6 +30,7 @@ the sharded GEMM would use it.
 from __future__ import annotations
 
 import dataclasses
+import time
 from contextlib import contextmanager
 from functools import partial
 
@@ -158,10 +159,12 @@ def run_metadata(args) -> dict:
             "sequence_parallel": bool(args.sequence_parallel)}
 
 
-def collect_profile(args, run, state, steps: int, candidates: dict[str, SiteFormats]
-                    ) -> Profile:
+def collect_profile(args, run, state, steps: int, candidates: dict[str, SiteFormats],
+                    batch_seconds: list | None = None) -> Profile:
     """Profile the ``steps`` global batches training consumes next (``state``: the loop's
-    TrainState) on every rank; every rank returns the same :class:`Profile`."""
+    TrainState) on every rank; every rank returns the same :class:`Profile`. Each batch's
+    wall time is appended to ``batch_seconds`` when given (the first one includes the
+    kernels' first-use compilation on a GPU)."""
     group = tp_group()
     sites = {sid: GemmObserver(candidates, group) for sid in quantized_linears(run.model)}
     head = {LOGITS: GemmObserver(candidates, group), EMBEDDING: GemmObserver(candidates, group)}
@@ -169,7 +172,10 @@ def collect_profile(args, run, state, steps: int, candidates: dict[str, SiteForm
     with head_observed(run.model, head[LOGITS], head[EMBEDDING]):
         for k in range(steps):
             consumed = state.consumed_samples + k * args.global_batch_size
+            start = time.perf_counter()
             losses.append(observed_pass(run, sites, consumed, seed=args.seed + consumed))
+            if batch_seconds is not None:  # the loss is a float: the device has finished
+                batch_seconds.append(time.perf_counter() - start)
     meta = run_metadata(args)
     gemms = gemm_list(ModelShape.from_args(args), meta["micro_tokens"], meta["tp"],
                       meta["sequence_parallel"])

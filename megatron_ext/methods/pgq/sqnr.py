@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from megatron_ext.formats import get_format
+from megatron_ext.formats import error_sums, get_format
 from megatron_ext.precision.gemm import quantize
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.precision.site_formats import SiteFormats
@@ -88,10 +88,10 @@ def noise_sums(t2: torch.Tensor, formats: dict[str, str], group=None) -> torch.T
     """``[‖t‖², ‖Q_c(t) − t‖² for each candidate c of formats]``, float64 on ``t2``'s device
     (no host synchronisation), for ``t2`` from :func:`oriented`, each candidate's format
     applied along the last dimension as ``gemm.quantize`` does (a tensor-wide scale from the
-    whole tensor over the TP ``group``)."""
-    exact = t2.double()
-    sums = [exact.square().sum()]
-    for fmt in formats.values():
-        error = quantize(t2, get_format(fmt), axis=-1, group=group).double() - exact
-        sums.append(error.square().sum())
-    return torch.stack(sums)
+    whole tensor over the TP ``group``). The sums are :func:`~megatron_ext.formats.error_sums`
+    (one Triton pass over ``t`` and ``Q_c(t)`` on a GPU)."""
+    t2 = t2.contiguous()  # one copy of a transposed operand, not one per candidate
+    errors = [error_sums(t2, quantize(t2, get_format(fmt), axis=-1, group=group))
+              for fmt in formats.values()]
+    signal = errors[0][2] if errors else error_sums(t2, t2)[2]
+    return torch.stack([signal, *(e[1] for e in errors)])

@@ -183,3 +183,32 @@ def test_amax_kernel_matches_torch(dtype):
     assert torch.equal(tk.block_amax(x, 1, 100).double(), a.amax(1, keepdim=True))
     padded = torch.nn.functional.pad(a, (0, 28, 0, 26)).view(3, 32, 4, 32)
     assert torch.equal(tk.block_amax(x, 32, 32).double(), padded.amax((1, 3)))
+
+
+@pytest.mark.parametrize("n", [1, 4096, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_error_sums_kernel_equals_the_float64_reference(n, dtype):
+    """Underflow count exact, the float64 sums up to their order of addition."""
+    from megatron_ext.formats.error import reference_error_sums
+    from megatron_ext.formats.triton_error import error_sums_1d
+
+    x = special_input((5, 1000), dtype).view(-1)[:n].contiguous()
+    x = torch.where(x.isfinite(), x, torch.zeros((), dtype=dtype))
+    q = fake_quant_2d(x.view(1, -1), get_format("int4@tile128")).view(-1)
+    ours, ref = error_sums_1d(x, q), reference_error_sums(x, q)
+    assert ours[0] == ref[0] and (n == 1 or ref[0] > 0 or dtype == torch.bfloat16)
+    torch.testing.assert_close(ours[1:], ref[1:], rtol=1e-13, atol=0)
+    nan = x.clone()
+    nan[0] = float("nan")
+    assert error_sums_1d(nan, q)[1:].isnan().all()
+
+
+def test_error_sums_pairs_transposed_views_on_the_kernel_path():
+    from megatron_ext.formats.error import _paired_flat, reference_error_sums
+    from megatron_ext.formats.triton_error import error_sums_1d
+
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
+    q = fake_quant_2d(x, get_format("int4@tile128"))
+    for t, u in ((x.t(), q.t()), (x.t(), q.t().contiguous()), (x, q)):
+        ref = reference_error_sums(t, u)
+        torch.testing.assert_close(error_sums_1d(*_paired_flat(t, u)), ref, rtol=1e-13, atol=0)

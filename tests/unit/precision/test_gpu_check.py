@@ -1,6 +1,7 @@
 """``benchmarks/gpu_check.py`` on a machine without a GPU: ``--help`` explains itself, a run
 says in one line that it needs a GPU (exit 2), and its markdown report renders results."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,15 @@ def test_pytest_outcomes_name_the_failures_of_a_cut_off_run():
     assert got["passed"] == 2
     assert got["failed"] == ["[gw1] [ 62%] FAILED tests/unit/b.py::test_two",
                              "[gw0] [ 70%] ERROR tests/unit/c.py::test_three"]
+
+
+def test_profile_cost_per_batch_and_its_last_batch(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from benchmarks import gpu_sections
+
+    (tmp_path / "args.json").write_text(json.dumps({"pgq_profile_steps": 2}))
+    records = [{"step": 1, "pgq_profile_s": 2.0, "pgq_profile_last_batch_s": 0.5}, {"step": 2}]
+    timed = [{"step_time_s": t} for t in (0.2, 0.25, 0.3)]
+    assert gpu_sections._profile_cost(tmp_path, records, timed) == {
+        "profile s": 2.0, "profile batch x step": 4.0, "last profile batch x step": 2.0}
+    assert gpu_sections._profile_cost(tmp_path, [{"step": 1}], timed) == {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ext.formats import fake_quant
-from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector, error_sums, \
+from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector, operand_sums, \
     unit_stats
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.site_formats import SiteFormats
@@ -23,12 +23,12 @@ def _brute(t, q) -> list[float]:
     return [under, sum((a - b) ** 2 for a, b in zip(t, q)), sum(a * a for a in t), len(t)]
 
 
-def test_error_sums_by_hand():
+def test_operand_sums_by_hand():
     t = torch.tensor([0.0, 1.0, -2.0, 0.5])
     q = torch.tensor([0.0, 0.0, -2.0, 1.0])
-    assert error_sums(t, q).tolist() == [1.0, 1.25, 5.25, 4.0]
+    assert operand_sums(t, q).tolist() == [1.0, 1.25, 5.25, 4.0]
     t, q = torch.randn(7, 5), torch.randn(7, 5).mul(0.1).round()
-    assert error_sums(t, q).tolist() == pytest.approx(_brute(t, q), rel=1e-12)
+    assert operand_sums(t, q).tolist() == pytest.approx(_brute(t, q), rel=1e-12)
 
 
 def test_unit_stats_takes_the_worst_operand_of_each_unit():

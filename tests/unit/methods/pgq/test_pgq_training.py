@@ -49,6 +49,7 @@ def test_recipe_plan_is_in_force_from_the_first_step(pgq_run):
     assert "| logits.dgrad | bac |" in (pgq_run / "pgq" / "recipe.md").read_text()
     records = [r for r in read_metrics(pgq_run) if "loss" in r]
     assert records[0]["pgq_profile_s"] > 0 and "pgq_profile_s" not in records[1]
+    assert 0 < records[0]["pgq_profile_last_batch_s"] < records[0]["pgq_profile_s"]
     assert records[0]["fp8_flop_frac"] == pytest.approx(recipe.fraction)
 
 
