@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
@@ -83,29 +84,41 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def instrument(sums: str) -> dict[str, list[Traffic]]:
-    """Count ``collect_profile`` and ``train_step``; the Triton stand-ins (module docstring)."""
+@contextmanager
+def instrument(sums: str):
+    """Count ``collect_profile`` and ``train_step`` inside the block, with the Triton
+    stand-ins (module docstring); yields ``{"profile": [...], "step": [...]}``."""
     import megatron_ext.methods.pgq.extension as pgq_ext
     import megatron_ext.methods.pgq.sqnr as sqnr
+    import megatron_ext.precision.gemm as gemm
     import megatron_ext.training.loop as loop
 
-    import megatron_ext.precision.gemm as gemm
-
-    gemm.quantize = sqnr.quantize = as_kernel(gemm.quantize, "quantize (3 passes)",
-                                              lambda t, *a, **k: 3 * _nbytes(t))
-    if sums == "kernel":
-        sqnr.error_sums = as_kernel(sqnr.error_sums, "error_sums (1 pass)",
-                                    lambda t, q: _nbytes(t) + _nbytes(q))
     counts: dict[str, list[Traffic]] = {"profile": [], "step": []}
-    for module, name, key in ((pgq_ext, "collect_profile", "profile"), (loop, "train_step", "step")):
-        def counted(*args, _fn=getattr(module, name), _key=key, **kwargs):
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
             traffic = Traffic()
             with traffic:
-                out = _fn(*args, **kwargs)
-            counts[_key].append(traffic)
+                out = fn(*args, **kwargs)
+            counts[key].append(traffic)
             return out
-        setattr(module, name, counted)
-    return counts
+        return wrapper
+
+    quantize = as_kernel(gemm.quantize, "quantize (3 passes)", lambda t, *a, **k: 3 * _nbytes(t))
+    patches = [(gemm, "quantize", quantize), (sqnr, "quantize", quantize),
+               (pgq_ext, "collect_profile", counted(pgq_ext.collect_profile, "profile")),
+               (loop, "train_step", counted(loop.train_step, "step"))]
+    if sums == "kernel":
+        patches.append((sqnr, "error_sums", as_kernel(sqnr.error_sums, "error_sums (1 pass)",
+                                                      lambda t, q: _nbytes(t) + _nbytes(q))))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
+    try:
+        yield counts
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def run(model_args: list[str], sums: str) -> dict:
@@ -114,10 +127,10 @@ def run(model_args: list[str], sums: str) -> dict:
     from megatron_ext.defaults import default_extensions
     from megatron_ext.training.pretrain import main
 
-    counts = instrument(sums)
     argv, sys.argv = sys.argv, ["pretrain_llama.py", *model_args, *RUN, "--precision", "pgq"]
     try:
-        main("llama", extensions=default_extensions())
+        with instrument(sums) as counts:
+            main("llama", extensions=default_extensions())
     finally:
         sys.argv = argv
     profile, step = counts["profile"][0], counts["step"][-1]
