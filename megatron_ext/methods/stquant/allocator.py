@@ -158,7 +158,7 @@ class Allocator:
         """Measured state bytes per parameter and the average width, model-wide, and per part
         (:data:`PARTS`) bits, code bytes and scale bytes per parameter, now and averaged over
         the calls so far (collective)."""
-        totals = torch.zeros(4 + 4 * len(PARTS), dtype=torch.float64)  # host: sums of ints
+        sums = [0] * (4 + 4 * len(PARTS))  # Python ints: exact, and no tensor op per entry
         widths = self.widths()
         for e in self.entries:
             if not e.owner:
@@ -166,13 +166,14 @@ class Allocator:
             numel = e.param.main.numel()
             codes, scales = e.param.sub.optimizer.state_nbytes(e.param.main)
             bits = 32 if e.layer is None else widths[e.layer]
-            totals[:2] += torch.tensor([codes + scales, numel], dtype=torch.float64)
-            if e.layer is not None:
-                totals[2] += numel * bits
-                totals[3] += numel
             at = 4 + 4 * PARTS.index(part_of(e.name))
-            totals[at:at + 4] += torch.tensor([numel, numel * bits, codes, scales],
-                                              dtype=torch.float64)
+            for i, value in ((0, codes + scales), (1, numel), (at, numel), (at + 1, numel * bits),
+                             (at + 2, codes), (at + 3, scales)):
+                sums[i] += value
+            if e.layer is not None:
+                sums[2] += numel * bits
+                sums[3] += numel
+        totals = torch.tensor(sums, dtype=torch.float64)
         if dist.is_initialized():  # NCCL reduces device tensors only
             on_device = totals.to(device())
             dist.all_reduce(on_device)
