@@ -1,0 +1,63 @@
+"""The Triton kernels compile for an H100 (sm_90) on this GPU-less machine — what the
+interpreter cases cannot show — and keep every value in registers: ``triton.compile`` to a
+cubin with the wheel's ptxas, then ``cuobjdump --dump-resource-usage`` (no local memory, i.e.
+no spills). One configuration per launch plan, with the constexprs the launchers pass."""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_ext.formats import get_format, triton_error, triton_kernels as tk
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+BF16 = torch.zeros(1, dtype=torch.bfloat16)
+
+
+def _element(name: str) -> dict:
+    args = tk._element_args(get_format(name), BF16, torch.Generator().manual_seed(0))
+    return {k: v for k, v in args.items() if k not in ("seed", "enable_fp_fusion")}
+
+
+CASES = {
+    "fused 1x128 tiles": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
+                                             "tensor_amax_ptr": "*fp32"},
+                          dict(BLOCK_M=32, NUM_BLOCKS=1, BLOCK_K=128, SCALING=tk._AMAX,
+                               **_element("fp8_e4m3@tile128")), 4),
+    "fused row of 16384, +sr": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
+                                                   "tensor_amax_ptr": "*fp32"},
+                                dict(BLOCK_M=1, NUM_BLOCKS=1, BLOCK_K=16384, SCALING=tk._AMAX,
+                                     **_element("int8@row+sr")), 16),
+    "two-pass amax": (tk._amax_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32"},
+                      dict(BLOCK_M=8, BLOCK_K=1024, PER_ROW=False), 8),
+    "two-pass apply": (tk._apply_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*i32"},
+                       dict(BLOCK_M=8, BLOCK_K=1024, **_element("fp8_e4m3")), 8),
+    "error sums": (triton_error._error_sums_kernel,
+                   {"t_ptr": "*bf16", "q_ptr": "*bf16", "partial_ptr": "*fp64"},
+                   dict(BLOCK=triton_error.BLOCK), 8),
+}
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "cuobjdump")),
+                    reason="this triton wheel ships no CUDA tools")
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_compiles_for_sm90_without_spills(case):
+    kernel, pointers, constexprs, warps = CASES[case]
+    signature = {name: pointers.get(name, "i32") for name in kernel.arg_names
+                 if name not in constexprs}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "enable_fp_fusion": False})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage",
+                                cubin.name], capture_output=True, text=True, check=True).stdout
+    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    assert local == 0 and 0 < regs <= 255, usage
