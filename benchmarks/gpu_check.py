@@ -55,6 +55,7 @@ TRAIN_CONFIGS = {
     "gnmr": ["--precision", "uniform:fp8", "--gnmr"],
     "stquant": ["--optimizer", "stquant-adamw"],
     "gaussws": ["--gaussws", "od"],
+    "gaussws lambda 0": ["--gaussws", "od", "--gaussws-lambda", "0"],
     "pgq": ["--precision", "pgq"],
     "pgq plan": ["--precision-plan", "{pgq_plan}"],
     "snip plan": ["--precision-plan", "{snip_plan}"],
