@@ -60,8 +60,8 @@ def operand_sums(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``[underflow count, Σ (t-q)^2, Σ t^2, numel]`` of ``t`` and its dequantized ``q``
     (float64, on ``t``'s device; the first three from :func:`~megatron_ext.formats.error_sums`,
     one Triton pass on a GPU)."""
-    numel = torch.tensor([float(t.numel())], dtype=torch.float64, device=t.device)
-    return torch.cat([error_sums(t, q), numel])
+    sums = error_sums(t, q)
+    return torch.cat([sums, sums.new_full((1,), float(t.numel()))])  # filled on the device
 
 
 def unit_stats(sums: np.ndarray, sites: Sequence[str], units: Sequence[str],

@@ -9,7 +9,8 @@ the ``--pgq-profile-steps`` batches training consumes next. The platform's ``com
 phase follows every ``before_step`` and commits the recipe, so the very first step already
 runs it; the profile's time is reported as ``pgq_profile_s`` in that step's metrics, outside
 ``step_time_s``, and its last batch's as ``pgq_profile_last_batch_s`` (on a GPU the first
-batch also compiles the Triton kernels it uses first). Nothing stays attached: every other step runs without overhead.
+batch also compiles the Triton kernels it uses first). Nothing stays attached: every other
+step runs without overhead.
 
 With ``--pgq-profile-start N`` the first N steps train under the safe plan and the profile
 is taken before step N+1 (after the early transient: at random init every site looks alike).
