@@ -19,6 +19,8 @@ Tested on CPU under ``TRITON_INTERPRET=1`` against the CPU path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -177,6 +179,13 @@ def _step_kernel(
                BLOCK)  # fmt: skip
 
 
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """The pointer passed where a 32-bit state has no scales or table (never read): one per
+    device, not a fill kernel per parameter and step."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
 def step(p: torch.Tensor, grad: torch.Tensor, m: QState, v: QState, bits: int,
          scalars) -> tuple[QState, QState]:
     """Update the contiguous float32 ``p`` in place from ``grad`` and return the new ``m``,
@@ -184,7 +193,7 @@ def step(p: torch.Tensor, grad: torch.Tensor, m: QState, v: QState, bits: int,
     nblocks = -(-(m.lead + m.numel) // m.block)
     m_new = empty_state(m, "linear", bits, nblocks)
     v_new = empty_state(v, "log", bits, nblocks)
-    dummy = torch.zeros(1, dtype=torch.float32, device=p.device)
+    dummy = _placeholder(p.device)
     rungs = log_tables(m.bits, p.device)[0] if m.bits != 32 else dummy
     cuts = log_tables(bits, p.device)[1] if bits != 32 else dummy
     s = scalars
