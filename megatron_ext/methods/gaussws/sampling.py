@@ -51,7 +51,13 @@ from .layout import (
 )
 
 CHUNK_ELEMS = 1 << 20
-"""Elements per chunk on the torch path."""
+"""Elements of R per chunk on the torch path (CPU: the temporaries stay bounded, in cache)."""
+DEVICE_CHUNK_ELEMS = 1 << 25
+"""Elements of R per chunk where the Triton kernel generates it (a GPU): 128 MiB of float32 at
+most, one chunk for each TinyLlama-1.1B weight. Every chunk costs a few kernel launches and
+the host's Python; at ``CHUNK_ELEMS`` eq. 3's backward took 43 chunks per TinyLlama layer
+with every site sampled, 16 with ``od`` (the chunks change no value: each row's sums are the
+same)."""
 
 
 def underflow_bound(mantissa_bits: int, r: int = 0) -> int:
@@ -105,7 +111,7 @@ def _noise_chunks(layout: ShardLayout, key: int, like: torch.Tensor, dtype: torc
     c0, c1 = layout.col_range
     kernels = _triton_for(like)
     generate = kernels.noise_block if kernels else noise.noise_block
-    step = max(1, CHUNK_ELEMS // (c1 - c0))
+    step = max(1, (DEVICE_CHUNK_ELEMS if kernels else CHUNK_ELEMS) // (c1 - c0))
     for lo in range(0, len(rows), step):
         part = rows[lo : lo + step]
         yield lo, part, generate(part, c0, c1 - c0, layout.full_shape[1], key, dtype)
