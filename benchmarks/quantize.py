@@ -126,26 +126,28 @@ DEVICE_FORMATS = [
 22 item 5, and two of the fused 1-row-block kernel beside them."""
 
 
-def device_seconds(fn, device: torch.device, iters: int) -> float:
-    """Mean seconds per call of ``fn`` over ``iters`` calls after two warm-up calls (CUDA
-    events on a GPU, so queued launches overlap as in training), best of three."""
+def device_seconds(fn, device: torch.device, iters: int) -> tuple[float, float]:
+    """(seconds per call, host seconds per call) of ``fn`` over ``iters`` calls after two
+    warm-up calls, best of three: on a GPU the first from CUDA events (queued launches overlap
+    as in training), the second the time the host took to issue the calls — as long as the
+    first when the host, not the GPU, sets the pace. On CPU both are the wall time."""
     fn(), fn()
-    best = float("inf")
+    best = host = float("inf")
     for _ in range(3):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(iters):
-                fn()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = min(host, (time.perf_counter() - t0) / iters)
+        if device.type == "cuda":
             end.record()
             torch.cuda.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3 / iters)
         else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / iters)
-    return best
+            best = host
+    return best, host
 
 
 def run(
@@ -154,7 +156,8 @@ def run(
 ) -> list[dict]:
     """One row per (format, dtype): ``fake_quant`` on ``device`` against ``clone()`` of the
     same tensor, and whether it equals the torch reference run on CPU bit for bit (``None``
-    for ``+sr``, whose GPU stream differs by design). Rows stop being added after
+    for ``+sr``, whose GPU stream differs by design), and ``host_ms``: the host's time to
+    issue one call (about ``ms`` when the host, not the GPU, sets the pace). Rows stop being added after
     ``budget_s`` seconds (the ones left get ``"skipped": True``)."""
     device = torch.device(device)
     formats = DEVICE_FORMATS if formats is None else formats
@@ -164,20 +167,22 @@ def run(
         x_cpu = torch.randn(size, generator=torch.Generator().manual_seed(0)).to(dtype)
         x = x_cpu.to(device)
         gbytes = x.numel() * x.element_size() / 1e9
-        clone_s = device_seconds(lambda x=x: x.clone(), device, iters)
+        clone_s = device_seconds(lambda x=x: x.clone(), device, iters)[0]
         for name in formats:
             row = {"format": name, "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
             rows.append(row)
             if time.perf_counter() - t_start > budget_s:
                 row["skipped"] = True
                 continue
-            seconds = device_seconds(lambda x=x, name=name: fake_quant(x, name), device, iters)
+            seconds, host = device_seconds(lambda x=x, name=name: fake_quant(x, name), device,
+                                           iters)
             same = None
             if not get_format(name).stochastic:
                 same = torch.equal(fake_quant(x, name).cpu().view(torch.uint8),
                                    fake_quant_2d(x_cpu, get_format(name)).view(torch.uint8))
-            row.update(ms=seconds * 1e3, gb_per_s=gbytes / seconds, x_clone=seconds / clone_s,
-                       clone_ms=clone_s * 1e3, bit_identical=same)  # fmt: skip
+            row.update(ms=seconds * 1e3, host_ms=host * 1e3, gb_per_s=gbytes / seconds,
+                       x_clone=seconds / clone_s, clone_ms=clone_s * 1e3,
+                       bit_identical=same)  # fmt: skip
     return rows
 
 

@@ -24,6 +24,8 @@ run these kernels on CPU under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -313,12 +315,19 @@ ROW_FUSED_MAX = 16384
 per program; longer rows take the two-pass plan."""
 
 
+@functools.cache
+def _unused_amax(device: torch.device) -> torch.Tensor:
+    """The tensor amax the fused kernel loads but only NVFP4 uses: one zero per device, not a
+    fill kernel per call."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
 def _fused(x, fmt, generator, amax, block_k: int) -> torch.Tensor:
     """The fused kernel over 1 x ``block_k`` scale blocks: up to 32 rows of 128 values or
     more, 8192 values at most unless one block is longer (a long row: one per program)."""
     rows, cols = x.shape
     if not fmt.scaling.needs_tensor_amax:
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        amax = _unused_amax(x.device)
     elif amax is None:
         amax = tensor_amax(x)
     else:
