@@ -19,7 +19,8 @@ def test_run_rows_on_cpu():
     ]
     for r in rows:
         assert r["bit_identical"] is (None if r["format"].endswith("+sr") else True)
-        assert r["ms"] > 0 and r["x_clone"] > 0 and r["host_ms"] == r["ms"]  # CPU: both wall time
+        assert r["ms"] > 0 and r["x_clone"] > 0
+        assert r["host_ms"] == r["ms"]  # on CPU both are the wall time
         bytes_in = 32 * 256 * (4 if r["dtype"] == "float32" else 2)
         assert abs(r["gb_per_s"] * r["ms"] * 1e6 - bytes_in) < 1e-3 * bytes_in
 
