@@ -121,10 +121,11 @@ class GaussWSRun:
             return None
         self.sampled.step = state.iteration + 1
         stats = torch.zeros(len(self.site_ids), len(STATS), dtype=torch.float64)
-        for row, sid in enumerate(self.site_ids):
-            if sid in self.sampled.modules:
-                b = self.sampled.bits(sid).detach().double()
-                stats[row] = torch.stack([b.mean(), b.min(), b.max()]).cpu()
+        bits = {row: self.sampled.bits(sid).detach().double()
+                for row, sid in enumerate(self.site_ids) if sid in self.sampled.modules}
+        if bits:  # one copy to the host for all sites, not a synchronisation per site
+            stats[list(bits)] = torch.stack([torch.stack([b.mean(), b.min(), b.max()])
+                                             for b in bits.values()]).cpu()
         stats = _pipeline_sum(stats)  # each site lives on one stage: the sum gathers
         return {f"gaussws_b_{name}/{sid}": stats[row, col].item()
                 for row, sid in enumerate(self.site_ids) for col, name in enumerate(STATS)}
