@@ -13,10 +13,12 @@ Two launch plans:
 
 Same numerics as the torch reference: every division is ``div_rn`` (Triton's ``/`` is
 approximate on NVIDIA), floating-point contraction is off, scales are built from bits.
-Stochastic rounding draws Philox numbers keyed by the element's flat index and a seed taken
-from the ``torch.Generator`` (one draw per call), so it is reproducible per seed and
-independent of the tiling, but it is a different stream from the CPU reference: the two
-agree in distribution, not draw for draw.
+Stochastic rounding draws Philox-4x32 numbers with a seed taken from the ``torch.Generator``
+(one draw per call): element ``(r, c)`` takes word ``c % 4`` of the output at counter
+``r · ceil(cols / 4) + c // 4``, so one Philox evaluation serves four values (it is most of
+the kernel's work) and the draws are reproducible per seed and independent of the tiling. It
+is a different stream from the CPU reference: the two agree in distribution, not draw for
+draw.
 
 ``fake_quant`` routes CUDA tensors here automatically (see :func:`supports`); the tests
 run these kernels on CPU under ``TRITON_INTERPRET=1``.
@@ -130,18 +132,37 @@ def _factors(
 
 
 @triton.jit
+def _uniform_noise(
+    seed, rows, col0, n_cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    NOISE_BITS: tl.constexpr,
+):  # fmt: skip
+    """``NOISE_BITS``-bit uniform draws in [0, 1) for the ``BLOCK_M x BLOCK_K`` tile of rows
+    ``rows`` and columns from ``col0`` (module docstring): one Philox call per four columns
+    when ``BLOCK_K`` is a multiple of 4 (``col0`` then is too), else per column."""
+    if BLOCK_K % 4 == 0:
+        quads = col0 // 4 + tl.arange(0, BLOCK_K // 4)
+        counter = rows[:, None].to(tl.int64) * tl.cdiv(n_cols, 4) + quads[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        # join adds a minor dimension: [.., j, i] = (r0, r2)[j] if i == 0 else (r1, r3)[j]
+        draws = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_K))
+    else:
+        cols = col0 + tl.arange(0, BLOCK_K)
+        counter = rows[:, None].to(tl.int64) * tl.cdiv(n_cols, 4) + (cols // 4)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        lane = (cols % 4)[None, :]
+        draws = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return (draws >> (32 - NOISE_BITS)).to(tl.float32) * (2.0**-NOISE_BITS)
+
+
+@triton.jit
 def _quantized(
-    x, finite, quant, dequant, offs, seed,
+    x, finite, quant, dequant, noise,
     ELEM_MAX: tl.constexpr, ELEM_EMIN: tl.constexpr, ELEM_MBITS: tl.constexpr,
-    IS_INT: tl.constexpr, STOCHASTIC: tl.constexpr, NOISE_BITS: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    IS_INT: tl.constexpr, STOCHASTIC: tl.constexpr, OUT_BF16: tl.constexpr,
 ):  # fmt: skip
     """``round(x * quant) * dequant`` with x's sign (float32, bfloat16-exact when OUT_BF16);
-    NaN and inf unchanged. ``offs`` (x's flat indices) key the stochastic draws."""
-    noise = x
-    if STOCHASTIC:
-        draws = tl.randint(seed, offs.to(tl.uint32))
-        noise = (draws >> (32 - NOISE_BITS)).to(tl.float32) * (2.0**-NOISE_BITS)
+    NaN and inf unchanged. ``noise``: the uniform draws of stochastic rounding (unused
+    otherwise)."""
     q = _round_grid(
         tl.where(finite, x, 0.0) * quant, noise, ELEM_MAX, ELEM_EMIN, ELEM_MBITS, IS_INT, STOCHASTIC
     )
@@ -173,10 +194,13 @@ def _fused_kernel(
     amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2, keep_dims=True)
     tensor_amax = tl.load(tensor_amax_ptr)
     quant, dequant = _factors(amax, tensor_amax, SCALING, ELEM_MAX, ELEM_EMAX, DROP_BITS)
-    y = _quantized(
-        x, finite, quant, dequant, tl.reshape(offs, shape3), seed,
-        ELEM_MAX, ELEM_EMIN, ELEM_MBITS, IS_INT, STOCHASTIC, NOISE_BITS, OUT_BF16,
-    )  # fmt: skip
+    noise = x
+    if STOCHASTIC:
+        noise = tl.reshape(_uniform_noise(seed, rows, tl.program_id(1) * (NUM_BLOCKS * BLOCK_K),
+                                          n_cols, BLOCK_M, NUM_BLOCKS * BLOCK_K, NOISE_BITS),
+                           shape3)
+    y = _quantized(x, finite, quant, dequant, noise, ELEM_MAX, ELEM_EMIN, ELEM_MBITS, IS_INT,
+                   STOCHASTIC, OUT_BF16)
     y = tl.reshape(y, (BLOCK_M, NUM_BLOCKS * BLOCK_K))
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -226,10 +250,11 @@ def _apply_kernel(
     amax_bits = tl.load(amax_ptr + index, mask=rows < n_rows, other=0)
     amax = amax_bits.to(tl.float32, bitcast=True)[:, None]
     quant, dequant = _factors(amax, amax, 0, ELEM_MAX, ELEM_EMAX, DROP_BITS)
-    y = _quantized(
-        x, tl.abs(x) < float("inf"), quant, dequant, offs, seed,
-        ELEM_MAX, ELEM_EMIN, ELEM_MBITS, IS_INT, STOCHASTIC, NOISE_BITS, OUT_BF16,
-    )  # fmt: skip
+    noise = x
+    if STOCHASTIC:
+        noise = _uniform_noise(seed, rows, col0, n_cols, BLOCK_M, BLOCK_K, NOISE_BITS)
+    y = _quantized(x, tl.abs(x) < float("inf"), quant, dequant, noise, ELEM_MAX, ELEM_EMIN,
+                   ELEM_MBITS, IS_INT, STOCHASTIC, OUT_BF16)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -303,7 +328,7 @@ def fake_quant_2d(
     s = fmt.scaling
     if isinstance(s, AmaxScaling) and s.rows == 1 and s.cols is None:  # per row
         block_k = triton.next_power_of_2(x.shape[1])
-        if block_k <= ROW_FUSED_MAX:  # a whole row in one program: masked to its length
+        if block_k <= ROW_FUSED_MAX // (2 if fmt.stochastic else 1):  # a row per program
             return _fused(x, fmt, generator, tensor_amax, block_k)
     if isinstance(s, AmaxScaling) and (s.rows != 1 or s.cols is None):
         return _two_pass(x, fmt, generator, tensor_amax)
@@ -312,7 +337,8 @@ def fake_quant_2d(
 
 ROW_FUSED_MAX = 16384
 """Longest row (padded to a power of two) that per-row scaling quantizes in one pass, a row
-per program; longer rows take the two-pass plan."""
+per program, half that with stochastic rounding (its draws take registers: a longer row
+would spill on sm_90); longer rows take the two-pass plan."""
 
 
 @functools.cache
@@ -324,7 +350,8 @@ def _unused_amax(device: torch.device) -> torch.Tensor:
 
 def _fused(x, fmt, generator, amax, block_k: int) -> torch.Tensor:
     """The fused kernel over 1 x ``block_k`` scale blocks: up to 32 rows of 128 values or
-    more, 8192 values at most unless one block is longer (a long row: one per program)."""
+    more, 8192 values at most unless one block is longer (a long row: one per program); 32
+    values a thread, 16 with stochastic rounding (no register spills on sm_90)."""
     rows, cols = x.shape
     if not fmt.scaling.needs_tensor_amax:
         amax = _unused_amax(x.device)
@@ -340,7 +367,7 @@ def _fused(x, fmt, generator, amax, block_k: int) -> torch.Tensor:
     _fused_kernel[grid](
         x, y, rows, cols, amax, BLOCK_M=block_m, NUM_BLOCKS=num_blocks, BLOCK_K=block_k,
         SCALING={AmaxScaling: _AMAX, MXScaling: _MX, NVScaling: _NV}[type(fmt.scaling)],
-        num_warps=16 if elems >= 16384 else 8 if elems >= 8192 else 4,
+        num_warps=min(16, max(4, elems // (512 if fmt.stochastic else 1024))),
         **_element_args(fmt, x, generator),
     )  # fmt: skip
     return y

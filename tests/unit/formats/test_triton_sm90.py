@@ -1,7 +1,7 @@
 """The Triton kernels compile for an H100 (sm_90) on this GPU-less machine — what the
 interpreter cases cannot show — and keep every value in registers: ``triton.compile`` to a
-cubin with the wheel's ptxas, then ``cuobjdump --dump-resource-usage`` (no local memory, i.e.
-no spills). One configuration per launch plan, with the constexprs the launchers pass."""
+cubin with the wheel's ptxas, then ``cuobjdump --dump-resource-usage`` (no stack and no local
+memory, i.e. no spills). One configuration per launch plan, with the constexprs the launchers pass."""
 
 import os
 import re
@@ -30,14 +30,25 @@ CASES = {
                                              "tensor_amax_ptr": "*fp32"},
                           dict(BLOCK_M=32, NUM_BLOCKS=1, BLOCK_K=128, SCALING=tk._AMAX,
                                **_element("fp8_e4m3@tile128")), 4),
-    "fused row of 16384, +sr": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
-                                                   "tensor_amax_ptr": "*fp32"},
-                                dict(BLOCK_M=1, NUM_BLOCKS=1, BLOCK_K=16384, SCALING=tk._AMAX,
-                                     **_element("int8@row+sr")), 16),
+    "fused 1x128 tiles, +sr": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
+                                                  "tensor_amax_ptr": "*fp32"},
+                               dict(BLOCK_M=32, NUM_BLOCKS=1, BLOCK_K=128, SCALING=tk._AMAX,
+                                    **_element("fp4_e2m1@tile128+sr")), 8),
+    "fused row of 16384": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
+                                              "tensor_amax_ptr": "*fp32"},
+                           dict(BLOCK_M=1, NUM_BLOCKS=1, BLOCK_K=16384, SCALING=tk._AMAX,
+                                **_element("int8@row")), 16),
+    "fused row of 8192, +sr": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
+                                                  "tensor_amax_ptr": "*fp32"},
+                               dict(BLOCK_M=1, NUM_BLOCKS=1, BLOCK_K=8192, SCALING=tk._AMAX,
+                                    **_element("int8@row+sr")), 16),
     "two-pass amax": (tk._amax_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32"},
                       dict(BLOCK_M=8, BLOCK_K=1024, PER_ROW=False), 8),
     "two-pass apply": (tk._apply_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*i32"},
                        dict(BLOCK_M=8, BLOCK_K=1024, **_element("fp8_e4m3")), 8),
+    "two-pass apply, +sr": (tk._apply_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
+                                               "amax_ptr": "*i32"},
+                            dict(BLOCK_M=8, BLOCK_K=1024, **_element("fp4_e2m1+sr")), 8),
     "error sums": (triton_error._error_sums_kernel,
                    {"t_ptr": "*bf16", "q_ptr": "*bf16", "partial_ptr": "*fp64"},
                    dict(BLOCK=triton_error.BLOCK), 8),
@@ -59,5 +70,6 @@ def test_kernel_compiles_for_sm90_without_spills(case):
         cubin.flush()
         usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage",
                                 cubin.name], capture_output=True, text=True, check=True).stdout
-    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
-    assert local == 0 and 0 < regs <= 255, usage
+    regs, stack, local = (int(re.search(rf"{key}:(\d+)", usage).group(1))
+                          for key in ("REG", "STACK", "LOCAL"))
+    assert stack == 0 and local == 0 and 0 < regs <= 255, usage  # spills would use the stack

@@ -15,7 +15,9 @@ from megatron_ext.formats import fake_quant_2d, get_format
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_formats_triton.py"
 
-from megatron_ext.formats import triton_kernels as tk
+from megatron_ext.formats import triton_kernels as tk  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 NEAREST = [
     ("fp8_e4m3@tile128", (37, 300)), ("fp8_e5m2@tile128", (37, 300)), ("fp8_e4m3@block128", (130, 200)),
@@ -49,18 +51,25 @@ def test_kernel_matches_reference_bit_for_bit(name, shape, dtype):
     assert_bits_equal(tk.fake_quant_2d(x, fmt), fake_quant_2d(x, fmt))
 
 
-def test_per_row_takes_one_pass_up_to_its_limit():
-    """Rows up to ROW_FUSED_MAX (padded) in the fused kernel, longer ones in two passes."""
-    calls = []
-    fused, two_pass = tk._fused, tk._two_pass
+def _plans(name: str, widths) -> list[str]:
+    """The launch plan ``fake_quant_2d`` takes for one row of each width."""
+    calls, fused, two_pass = [], tk._fused, tk._two_pass
     tk._fused = lambda *a: calls.append("fused") or fused(*a)
     tk._two_pass = lambda *a: calls.append("two-pass") or two_pass(*a)
     try:
-        for cols in (300, tk.ROW_FUSED_MAX, tk.ROW_FUSED_MAX + 1):
-            tk.fake_quant_2d(torch.ones(1, cols), get_format("int8@row"))
+        for cols in widths:
+            tk.fake_quant_2d(torch.ones(1, cols), get_format(name), torch.Generator())
     finally:
         tk._fused, tk._two_pass = fused, two_pass
-    assert calls == ["fused", "fused", "two-pass"]
+    return calls
+
+
+def test_per_row_takes_one_pass_up_to_its_limit():
+    """Rows up to ROW_FUSED_MAX (padded) in the fused kernel, longer ones in two passes; half
+    that length with stochastic rounding."""
+    limit = tk.ROW_FUSED_MAX
+    assert _plans("int8@row", (300, limit, limit + 1)) == ["fused", "fused", "two-pass"]
+    assert _plans("int8@row+sr", (limit // 2, limit // 2 + 1)) == ["fused", "two-pass"]
 
 
 @pytest.mark.parametrize("name", ["int8@row", "int8@row+sr", "fp8_e4m3@row"])
@@ -212,3 +221,25 @@ def test_error_sums_pairs_transposed_views_on_the_kernel_path():
     for t, u in ((x.t(), q.t()), (x.t(), q.t().contiguous()), (x, q)):
         ref = reference_error_sums(t, u)
         torch.testing.assert_close(error_sums_1d(*_paired_flat(t, u)), ref, rtol=1e-13, atol=0)
+
+
+@triton.jit
+def _noise_probe(out_ptr, n_cols, seed, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, 4)
+    col0 = tl.program_id(0) * BLOCK_K
+    cols = col0 + tl.arange(0, BLOCK_K)
+    noise = tk._uniform_noise(seed, rows, col0, n_cols, 4, BLOCK_K, 24)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], noise, mask=cols[None, :] < n_cols)
+
+
+def test_stochastic_draws_do_not_depend_on_the_tile_width():
+    """One Philox call per four columns (16-wide tiles) gives each element the draw the
+    per-column path (2-wide tiles) gives it; the four words of a call all differ."""
+    draws = {}
+    for width in (16, 2):
+        out = torch.full((4, 40), -1.0)
+        _noise_probe[(triton.cdiv(40, width),)](out, 40, 1234, BLOCK_K=width)
+        draws[width] = out
+    assert torch.equal(draws[16], draws[2]) and ((draws[16] >= 0) & (draws[16] < 1)).all()
+    quads = draws[16].view(4, 10, 4)
+    assert (quads[..., :, None] != quads[..., None, :]).sum() == 4 * 10 * 12
