@@ -25,30 +25,26 @@ def _element(name: str) -> dict:
     return {k: v for k, v in args.items() if k not in ("seed", "enable_fp_fusion")}
 
 
-CASES = {
-    "fused 1x128 tiles": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
-                                             "tensor_amax_ptr": "*fp32"},
-                          dict(BLOCK_M=32, NUM_BLOCKS=1, BLOCK_K=128, SCALING=tk._AMAX,
-                               **_element("fp8_e4m3@tile128")), 4),
-    "fused 1x128 tiles, +sr": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
-                                                  "tensor_amax_ptr": "*fp32"},
-                               dict(BLOCK_M=32, NUM_BLOCKS=1, BLOCK_K=128, SCALING=tk._AMAX,
-                                    **_element("fp4_e2m1@tile128+sr")), 8),
-    "fused row of 16384": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
-                                              "tensor_amax_ptr": "*fp32"},
-                           dict(BLOCK_M=1, NUM_BLOCKS=1, BLOCK_K=16384, SCALING=tk._AMAX,
-                                **_element("int8@row")), 16),
-    "fused row of 8192, +sr": (tk._fused_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
-                                                  "tensor_amax_ptr": "*fp32"},
-                               dict(BLOCK_M=1, NUM_BLOCKS=1, BLOCK_K=8192, SCALING=tk._AMAX,
-                                    **_element("int8@row+sr")), 16),
+def _fused(name: str, block_m: int, block_k: int, warps: int):
+    pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "tensor_amax_ptr": "*fp32"}
+    constexprs = dict(BLOCK_M=block_m, NUM_BLOCKS=1, BLOCK_K=block_k, SCALING=tk._AMAX)
+    return tk._fused_kernel, pointers, {**constexprs, **_element(name)}, warps
+
+
+def _apply(name: str):
+    pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*i32"}
+    return tk._apply_kernel, pointers, dict(BLOCK_M=8, BLOCK_K=1024, **_element(name)), 8
+
+
+CASES = {  # the launchers' sizes: 32 values a thread, 16 with stochastic rounding
+    "fused 1x128 tiles": _fused("fp8_e4m3@tile128", 32, 128, 4),
+    "fused 1x128 tiles, +sr": _fused("fp4_e2m1@tile128+sr", 32, 128, 8),
+    "fused row of 16384": _fused("int8@row", 1, 16384, 16),
+    "fused row of 8192, +sr": _fused("int8@row+sr", 1, 8192, 16),
     "two-pass amax": (tk._amax_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32"},
                       dict(BLOCK_M=8, BLOCK_K=1024, PER_ROW=False), 8),
-    "two-pass apply": (tk._apply_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "amax_ptr": "*i32"},
-                       dict(BLOCK_M=8, BLOCK_K=1024, **_element("fp8_e4m3")), 8),
-    "two-pass apply, +sr": (tk._apply_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16",
-                                               "amax_ptr": "*i32"},
-                            dict(BLOCK_M=8, BLOCK_K=1024, **_element("fp4_e2m1+sr")), 8),
+    "two-pass apply": _apply("fp8_e4m3"),
+    "two-pass apply, +sr": _apply("fp4_e2m1+sr"),
     "error sums": (triton_error._error_sums_kernel,
                    {"t_ptr": "*bf16", "q_ptr": "*bf16", "partial_ptr": "*fp64"},
                    dict(BLOCK=triton_error.BLOCK), 8),
