@@ -15,8 +15,9 @@ Same numerics as the torch reference: every division is ``div_rn`` (Triton's ``/
 approximate on NVIDIA), floating-point contraction is off, scales are built from bits.
 Stochastic rounding draws Philox-4x32 numbers with a seed taken from the ``torch.Generator``
 (one draw per call): element ``(r, c)`` takes word ``c % 4`` of the output at counter
-``r · ceil(cols / 4) + c // 4``, so one Philox evaluation serves four values (it is most of
-the kernel's work) and the draws are reproducible per seed and independent of the tiling. It
+``r · ceil(cols / 4) + c // 4`` (the flat index's quarter and remainder when ``cols`` is a
+multiple of 4), so one Philox evaluation serves four values and the draws are reproducible
+per seed and independent of the tiling. It
 is a different stream from the CPU reference: the two agree in distribution, not draw for
 draw.
 
