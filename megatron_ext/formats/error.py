@@ -30,23 +30,26 @@ SUMS = ("underflow", "sq_err", "sq")
 """The order of :func:`error_sums`' entries."""
 
 
-def error_sums(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def error_sums(t: torch.Tensor, q: torch.Tensor, underflow: bool = True) -> torch.Tensor:
     """``[underflow, Σ (t − q)², Σ t²]`` (module docstring) as float64 on ``t``'s device, for
-    ``q`` of ``t``'s shape; no host synchronisation."""
+    ``q`` of ``t``'s shape; no host synchronisation. ``underflow=False``: a caller that does
+    not read the count spares the torch path its passes (the kernel counts for free)."""
     if t.shape != q.shape:
         raise ValueError(f"error_sums: t {tuple(t.shape)} and q {tuple(q.shape)} differ")
     if triton_backend(t) and t.is_floating_point() and t.dtype != torch.float64:
         from .triton_error import error_sums_1d
 
         return error_sums_1d(*_paired_flat(t, q))
-    return reference_error_sums(t, q)
+    return reference_error_sums(t, q, underflow)
 
 
-def reference_error_sums(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """:func:`error_sums` with torch ops in float64 (any device)."""
+def reference_error_sums(t: torch.Tensor, q: torch.Tensor, underflow: bool = True
+                         ) -> torch.Tensor:
+    """:func:`error_sums` with torch ops in float64 (any device); the count is 0 without
+    ``underflow``."""
     t64, q64 = t.double(), q.double()
-    return torch.stack([((t != 0) & (q == 0)).sum().double(),  # zero in any float dtype
-                        (t64 - q64).square().sum(), t64.square().sum()])
+    count = ((t != 0) & (q == 0)).sum() if underflow else t64.new_zeros(())  # any float dtype
+    return torch.stack([count.double(), (t64 - q64).square().sum(), t64.square().sum()])
 
 
 def _paired_flat(t: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,7 +91,7 @@ def noise_sums(t2: torch.Tensor, formats: dict[str, str], group=None) -> torch.T
     whole tensor over the TP ``group``). The sums are :func:`~megatron_ext.formats.error_sums`
     (one Triton pass over ``t`` and ``Q_c(t)`` on a GPU)."""
     t2 = t2.contiguous()  # one copy of a transposed operand, not one per candidate
-    errors = [error_sums(t2, quantize(t2, get_format(fmt), axis=-1, group=group))
+    errors = [error_sums(t2, quantize(t2, get_format(fmt), axis=-1, group=group), False)
               for fmt in formats.values()]
-    signal = errors[0][2] if errors else error_sums(t2, t2)[2]
+    signal = errors[0][2] if errors else error_sums(t2, t2, False)[2]
     return torch.stack([signal, *(e[1] for e in errors)])

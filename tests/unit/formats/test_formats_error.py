@@ -13,6 +13,7 @@ def test_error_sums_by_hand_and_against_brute_force():
     t = torch.tensor([0.0, 1.0, -2.0, 0.5, -0.0])
     q = torch.tensor([0.0, 0.0, -2.0, 1.0, 0.0])
     assert error_sums(t, q).tolist() == [1.0, 1.25, 5.25]
+    assert error_sums(t, q, underflow=False).tolist() == [0.0, 1.25, 5.25]
     x = torch.randn(33, 70, generator=torch.Generator().manual_seed(0)).bfloat16()
     q = fake_quant(x, "fp4_e2m1@tile128")
     a, b = x.double().view(-1).tolist(), q.double().view(-1).tolist()
