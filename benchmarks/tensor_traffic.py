@@ -110,7 +110,7 @@ def instrument(sums: str):
                (loop, "train_step", counted(loop.train_step, "step"))]
     if sums == "kernel":
         patches.append((sqnr, "error_sums", as_kernel(sqnr.error_sums, "error_sums (1 pass)",
-                                                      lambda t, q: _nbytes(t) + _nbytes(q))))
+                                                      lambda t, q, *_: _nbytes(t) + _nbytes(q))))
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, value in patches:
         setattr(module, name, value)
