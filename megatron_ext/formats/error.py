@@ -48,7 +48,7 @@ def reference_error_sums(t: torch.Tensor, q: torch.Tensor, underflow: bool = Tru
     """:func:`error_sums` with torch ops in float64 (any device); the count is 0 without
     ``underflow``."""
     t64, q64 = t.double(), q.double()
-    count = ((t != 0) & (q == 0)).sum() if underflow else t64.new_zeros(())  # any float dtype
+    count = ((t != 0) & (q == 0)).sum() if underflow else torch.zeros((), device=t.device)
     return torch.stack([count.double(), (t64 - q64).square().sum(), t64.square().sum()])
 
 
