@@ -184,7 +184,7 @@ def weight_divergences(sites: list[SiteStats], options: list[SiteFormats], hyper
     for j, s in enumerate(sites):
         entry = j if pred[j] is None else pred[j]
         below = np.arange(len(sites)) < entry
-        upto = np.arange(len(sites)) <= j if forward_reach == "below" else np.ones(len(sites))
+        upto = np.arange(len(sites)) <= (j if forward_reach == "below" else len(sites))
         for i, o in enumerate(options):
             own, e_b, e_f = _gradient_errors(s, o)
             e_b = e_b if include_dgrad else 0.0
