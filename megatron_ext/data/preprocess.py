@@ -10,7 +10,15 @@ Documents that tokenize to nothing (empty text without ``append_eod``) are not w
 
 Outputs are checked for writability before anything is read, written under temporary names
 next to the final ones and renamed only after the whole input was read, so an error (bad
-line, Ctrl-C) never leaves a half-written dataset, or a new empty folder, behind. Tokenization runs in ``workers`` forked processes, in input order.
+line, Ctrl-C) never leaves a half-written dataset, or a new empty folder, behind.
+
+Tokenization runs in ``workers`` processes, in input order, with at most two chunks per worker
+in flight. The workers are fresh interpreters (``spawn``; ~3 s each to import torch), never
+forks of the calling process: that process may already run threads (``tokenizers`` keeps a
+thread pool once it has trained a tokenizer), and a fork that copies a lock another thread
+holds hangs the child for good. (A ``forkserver`` avoids that too, but a process forked from
+one that started a forkserver cannot use it.) A worker that dies ends the run with an error
+instead of a hang (``BrokenProcessPool``).
 """
 
 import json
@@ -18,7 +26,9 @@ import multiprocessing
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -191,10 +201,16 @@ def _encode_file(encoder: _Encoder, path: str, workers: int):
     if workers == 1:
         yield from map(encoder.encode_chunk, _read_chunks(path))
         return
-    # fork: workers inherit the loaded tokenizer instead of re-importing torch/megatron.
-    context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_init_worker, initargs=(encoder,)) as pool:
-        yield from pool.imap(_encode_in_worker, _read_chunks(path))
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_init_worker,
+                             initargs=(encoder,)) as pool:
+        in_flight = deque()
+        for chunk in _read_chunks(path):
+            in_flight.append(pool.submit(_encode_in_worker, chunk))
+            if len(in_flight) >= 2 * workers:
+                yield in_flight.popleft().result()
+        while in_flight:
+            yield in_flight.popleft().result()
 
 
 class _AtomicWriter:

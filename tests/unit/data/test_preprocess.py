@@ -1,16 +1,20 @@
 """JSONL -> .bin/.idx: read back with megatron's IndexedDataset, errors, atomic outputs."""
 
+import importlib
 import os
 import subprocess
 import sys
+import threading
 
 import numpy
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.data.preprocess import PreprocessConfig, PreprocessError, preprocess
-from megatron_ext.data.tokenizer import build_tokenizer
+from megatron_ext.data.tokenizer import ByteTokenizer, build_tokenizer
 
+# the module itself, which the package's function of the same name hides
+preprocess_module = importlib.import_module("megatron_ext.data.preprocess")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 DOCS = ["hello world", "héllo ✓\nsecond line", "", "x" * 5000, 'print("a", end="")']
 
@@ -49,6 +53,33 @@ def test_trained_tokenizer_with_workers_matches_direct_tokenization(
     tokenizer = build_tokenizer(small_corpus.tokenizer_json)
     expected = [tokenizer.tokenize(doc) for doc in docs if doc]  # empty docs are not written
     assert read_back(str(tmp_path / "out_text_document"))[0] == expected
+
+
+_LOCK = threading.Lock()
+
+
+class _LockingTokenizer(ByteTokenizer):
+    """Takes a lock per document, as C libraries take their internal locks."""
+
+    def tokenize(self, text: str) -> list[int]:
+        with _LOCK:
+            return super().tokenize(text)
+
+
+def test_workers_do_not_inherit_a_lock_another_thread_holds(tmp_path, write_jsonl):
+    """A forked worker would copy ``_LOCK`` held and wait on it forever (the hang CI saw once,
+    after ``tokenizers`` had started its thread pool); the forkserver's workers start clean."""
+    docs = ["a", "bb", "ccc"] * 700  # 2 chunks, one per worker
+    encoder = preprocess_module._Encoder(_LockingTokenizer(), ("text",), False, "docs.jsonl")
+    results = []
+    encode = threading.Thread(daemon=True, target=lambda: results.extend(
+        preprocess_module._encode_file(encoder, write_jsonl("docs", docs), workers=2)))
+    with _LOCK:  # held by this thread while the workers start and tokenize
+        encode.start()
+        encode.join(timeout=120)
+    assert not encode.is_alive(), "the workers hung on the copied lock"
+    assert [ids.tolist() for chunk, _ in results for [ids] in chunk] == [
+        list(doc.encode()) for doc in docs]
 
 
 def test_each_json_key_gets_its_own_dataset(tmp_path):
