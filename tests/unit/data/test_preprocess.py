@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy
 import pytest
@@ -80,6 +81,21 @@ def test_workers_do_not_inherit_a_lock_another_thread_holds(tmp_path, write_json
     assert not encode.is_alive(), "the workers hung on the copied lock"
     assert [ids.tolist() for chunk, _ in results for [ids] in chunk] == [
         list(doc.encode()) for doc in docs]
+
+
+class _DyingTokenizer(ByteTokenizer):
+    """Ends its process on the text "die", as the kernel's OOM killer would."""
+
+    def tokenize(self, text: str) -> list[int]:
+        if text == "die":
+            os._exit(1)
+        return super().tokenize(text)
+
+
+def test_a_worker_that_dies_fails_the_run(tmp_path, write_jsonl):
+    encoder = preprocess_module._Encoder(_DyingTokenizer(), ("text",), False, "docs.jsonl")
+    with pytest.raises(BrokenProcessPool):
+        list(preprocess_module._encode_file(encoder, write_jsonl("docs", ["a", "die"]), 2))
 
 
 def test_each_json_key_gets_its_own_dataset(tmp_path):
