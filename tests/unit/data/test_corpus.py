@@ -77,7 +77,7 @@ def _build_in_child(out_dir, log_path, results):
 
 
 def test_concurrent_builders_build_once(tmp_path):
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # a fork of pytest would copy its threads
     results = context.Queue()
     out = tmp_path / "corpus"
     children = [
