@@ -97,7 +97,7 @@ def dataset_prefix(output_prefix: str, key: str) -> str:
 def preprocess(config: PreprocessConfig, log: TextIO | None = sys.stderr) -> PreprocessResult:
     """Tokenize ``config.input`` into one indexed dataset per JSON key.
 
-    Progress (docs/s, MB/s, ETA) goes to ``log`` every ``config.log_interval`` seconds.
+    Progress (documents, % done, MB/s, ETA) goes to ``log`` every ``config.log_interval`` seconds.
 
     Raises:
         FileNotFoundError: the input file or the tokenizer file is missing.
@@ -256,27 +256,36 @@ class _AtomicWriter:
 
 
 class _Progress:
-    """Counts documents and input bytes; prints rate and ETA every ``interval`` seconds."""
+    """Counts documents and input bytes; prints rate and ETA every ``interval`` seconds. The
+    rate is taken from the first chunk's arrival on (spawned workers take seconds to start)."""
 
     def __init__(self, total_bytes: int, interval: float, stream: TextIO | None):
         self.total_bytes, self.interval, self.stream = total_bytes, interval, stream
         self.start = self.last = time.monotonic()
         self.docs = self.bytes = 0
+        self.first: tuple[float, int] | None = None
+        """(time, bytes) when the first chunk came back."""
 
     def update(self, docs: int, nbytes: int) -> None:
         """Account for one more chunk; print a line if ``interval`` has passed."""
         self.docs += docs
         self.bytes += nbytes
         now = time.monotonic()
+        self.first = self.first or (now, self.bytes)
         if self.stream is None or now - self.last < self.interval:
             return
         self.last = now
-        elapsed = now - self.start
-        rate = self.bytes / elapsed
-        eta = (self.total_bytes - self.bytes) / max(rate, 1e-9)
-        print(
-            f"  {self.docs} docs ({self.docs / elapsed:.0f} docs/s, {rate / 1e6:.2f} MB/s), "
-            f"{100 * self.bytes / max(self.total_bytes, 1):.0f}% done, ETA {eta:.0f}s",
-            file=self.stream,
-            flush=True,
-        )
+        print(f"  {self.docs} docs, {100 * self.bytes / max(self.total_bytes, 1):.0f}% done, "
+              f"{self.rate(now) / 1e6:.2f} MB/s, ETA {self.eta(now):.0f}s",
+              file=self.stream, flush=True)
+
+    def rate(self, now: float) -> float:
+        """Input bytes per second since the first chunk (since the start until a second)."""
+        since, done = self.first
+        if self.bytes == done or now - since <= 0:
+            since, done = self.start, 0
+        return (self.bytes - done) / max(now - since, 1e-9)
+
+    def eta(self, now: float) -> float:
+        """Seconds left at the current rate."""
+        return (self.total_bytes - self.bytes) / max(self.rate(now), 1e-9)

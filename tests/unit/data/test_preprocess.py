@@ -1,6 +1,7 @@
 """JSONL -> .bin/.idx: read back with megatron's IndexedDataset, errors, atomic outputs."""
 
 import importlib
+import io
 import os
 import subprocess
 import sys
@@ -96,6 +97,17 @@ def test_a_worker_that_dies_fails_the_run(tmp_path, write_jsonl):
     encoder = preprocess_module._Encoder(_DyingTokenizer(), ("text",), False, "docs.jsonl")
     with pytest.raises(BrokenProcessPool):
         list(preprocess_module._encode_file(encoder, write_jsonl("docs", ["a", "die"]), 2))
+
+
+def test_eta_leaves_out_the_workers_start(monkeypatch):
+    clock = iter([0.0, 3.0, 4.0])  # start; first chunk after 3 s of start-up; the second
+    monkeypatch.setattr(preprocess_module.time, "monotonic", lambda: next(clock))
+    log = io.StringIO()
+    progress = preprocess_module._Progress(total_bytes=100, interval=0.5, stream=log)
+    progress.update(docs=1, nbytes=10)
+    progress.update(docs=1, nbytes=10)
+    # 10 bytes in the second after the first chunk: 80 left take 8 s (not 80 / (20 / 4) = 16)
+    assert log.getvalue().splitlines()[-1] == "  2 docs, 20% done, 0.00 MB/s, ETA 8s"
 
 
 def test_each_json_key_gets_its_own_dataset(tmp_path):
