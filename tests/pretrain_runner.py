@@ -63,9 +63,16 @@ def start_in_group(argv: list[str], log_path) -> subprocess.Popen:
     """Start ``python argv`` in its own process group (with the checkpoint writer's helper
     processes), output to ``log_path`` (a pipe nobody reads could block it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    # A job started in the background (`pytest &`) inherits SIGINT ignored, and exec keeps an
+    # ignored signal ignored (a handled one it resets): handle it here while the child starts,
+    # so that Ctrl-C tests send it to a trainer with Python's default handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with open(log_path, "w") as log:
+            return subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
