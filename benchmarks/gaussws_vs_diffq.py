@@ -135,9 +135,9 @@ def diffq_extension(controller) -> Extension:
             logits = [p for q in quantizers for n, p in q.model.named_parameters()
                       if n.endswith(q.suffix)]
             size = sum(q.model_size() for q in quantizers)
-            scale = optimizer.get_loss_scale().item()
+            scale = optimizer.get_loss_scale()  # as GaussWS's: no host synchronisation
             for p, g in zip(logits, torch.autograd.grad(args.diffq_penalty * size, logits)):
-                (p.main_grad if hasattr(p, "main_grad") else p.grad).add_(g, alpha=scale)
+                (p.main_grad if hasattr(p, "main_grad") else p.grad).add_(g * scale)
             return step(*a, **kw)
 
         optimizer.step = step_with_size_loss

@@ -103,10 +103,10 @@ class GaussWSRun:
         params = [self.sampled.modules[s].gaussws.b_i for s in sids]
         loss = bitwidth_loss([self.sampled.bits(s) for s in sids], self.config.b_target_loss,
                              self.config.lam, self.tiles)
-        scale = optimizer.get_loss_scale().item()
+        scale = optimizer.get_loss_scale()  # a device tensor: no host synchronisation
         for param, grad in zip(params, torch.autograd.grad(loss, params)):
             target = param.main_grad if hasattr(param, "main_grad") else param.grad
-            target.add_(grad.to(target.dtype), alpha=scale)
+            target.add_(grad.to(target.dtype) * scale.to(target.dtype))
 
     def after_setup(self, args, run, state) -> None:
         if self.config is not None:
