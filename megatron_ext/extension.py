@@ -150,7 +150,9 @@ class Extension:
     make what they proposed take effect (the precision platform commits the plan)."""
     on_step: Callable[..., dict | None] | None = None
     """After each optimizer step (``run.step_result`` holds its result); a returned dict is
-    merged into that step's metrics record."""
+    merged into that step's metrics record. ``run.step_result["logged"]`` says whether that
+    record is written (the same on every rank): metrics that cost time may be left out of the
+    others."""
     on_nonfinite: Callable[..., dict | None] | None = None
     """On every rank after a step whose loss or gradients were not finite (its update was
     skipped, ``state.iteration`` is that step), before ``on_step``: the place to move offending

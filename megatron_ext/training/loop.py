@@ -166,12 +166,13 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
             step_time = time.time() - start
             state.iteration += 1
             state.consumed_samples += args.global_batch_size
-            extra = _after_step(args, run, state, extensions)
             result = run.step_result
             last = state.iteration == args.train_iters  # always logged, whatever the interval
             stop = _due(args.exit_interval, state)
-            if logger and (state.iteration % args.log_interval == 0 or state.iteration == 1
-                           or result["skipped"] or last or stop):
+            result["logged"] = (state.iteration % args.log_interval == 0 or state.iteration == 1
+                                or result["skipped"] or last or stop)
+            extra = _after_step(args, run, state, extensions)
+            if logger and result["logged"]:
                 logger.train_step({
                     "step": state.iteration, "loss": result["loss"],
                     "lr": lr, "grad_norm": result["grad_norm"],

@@ -18,7 +18,8 @@ Hooks, in the order a run calls them (``default_extensions()``):
 5. ``before_step`` (and already ``on_step`` of the step before, for observed passes made
    between steps) sets the step whose key every micro-batch of the step samples with;
 6. ``on_step`` adds ``gaussws_b_{mean,min,max}/<site id>`` (b_t as the GEMMs use it, clamped
-   by eq. 6) for every sampled site of the model (gathered over pipeline stages).
+   by eq. 6) for every sampled site of the model (gathered over pipeline stages), on the
+   steps that are logged.
 
 Resume: the keys depend only on (run seed, site id, step); the step comes back with the
 iteration, the run seed from the checkpoint (a resume under another ``--seed`` keeps sampling
@@ -120,6 +121,8 @@ class GaussWSRun:
         if self.config is None:
             return None
         self.sampled.step = state.iteration + 1
+        if not run.step_result["logged"]:  # the statistics cost a launch per site and a copy
+            return None
         stats = torch.zeros(len(self.site_ids), len(STATS), dtype=torch.float64)
         bits = {row: self.sampled.bits(sid).detach().double()
                 for row, sid in enumerate(self.site_ids) if sid in self.sampled.modules}

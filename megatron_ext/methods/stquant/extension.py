@@ -57,7 +57,7 @@ class StquantRun:
         allocator = run.optimizer.allocator
         if allocator.updated_at == allocator.step and dist.get_rank() == 0 and self.run_dir:
             _write_widths(self.run_dir, allocator)
-        return run.optimizer.metrics()
+        return run.optimizer.metrics() if run.step_result["logged"] else None
 
 
 def describe(config: STQuantConfig) -> str:

@@ -51,6 +51,15 @@ def test_eq10_gradient_reaches_the_buffers():
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 
 
+def test_bit_width_statistics_only_on_logged_steps():
+    config = GaussWSConfig(("proj",))
+    run = GaussWSRun(PlanController())
+    run.config, run.sampled, run.site_ids = config, SampledSites(config, seed=1), ["L0.proj"]
+    quiet = SimpleNamespace(step_result={"logged": False})
+    assert run.on_step(None, quiet, SimpleNamespace(iteration=4)) is None  # no collective
+    assert run.sampled.step == 5  # the next step's key is set all the same
+
+
 def test_checkpoint_state_restores_the_run_seed_and_checks_the_settings():
     config = GaussWSConfig(("proj", "fc2"))
     run = GaussWSRun(PlanController())
