@@ -15,8 +15,8 @@ nothing (megatron's own linears, bit for bit). With one:
    plan written to ``<run dir>/precision_plan.json``; rank 0 prints the FLOP split of the first
    plan, then of later ones at most once per :data:`PLAN_LINE_EVERY` steps, with the number of
    changes since the last line (GNMR changes the plan every few steps);
-5. ``on_step`` adds the FLOP fractions, the plan hash and, on a step that switched plans, the
-   list of changed sites to the step's metrics.
+5. ``on_step`` adds, on logged steps, the FLOP fractions, the plan hash and the sites changed
+   since the last logged step (if any) to the step's metrics.
 
 On ``--load`` the checkpoint's base plan and overlays replace the flags' (they are training
 state, like the LR schedule) unless ``--override-precision-plan`` is given.
@@ -114,7 +114,8 @@ class PrecisionRun:
         self.report: FlopReport | None = None
         """The FLOP split of the plan in force."""
         self.changed: list[str] | None = None
-        """Sites the last commit changed, until ``on_step`` reports them."""
+        """Sites the commits changed since the last logged step, until ``on_step`` reports
+        them (on the next logged step)."""
         self.model = None
         self.args = None
         self.printed_at: int | None = None
@@ -186,8 +187,8 @@ class PrecisionRun:
         self.unprinted = 0
 
     def on_step(self, args, run, state) -> dict | None:
-        if self.controller.applied is None:
-            return None
+        if self.controller.applied is None or not run.step_result["logged"]:
+            return None  # changed sites wait for the next logged step
         metrics = {**self.report.metrics(), "precision_plan": self.controller.applied.hash[:12]}
         if self.changed:
             metrics["precision_changed_sites"] = self.changed

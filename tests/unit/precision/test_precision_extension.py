@@ -1,10 +1,13 @@
 """The precision extension in real (single-process) training runs: inert without flags, FLOP
-fractions in the metrics, the plan checkpointed and restored, bad flags as one line."""
+fractions in the metrics, the plan checkpointed and restored, bad flags as one line; changed
+sites reported on the next logged step."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from megatron_ext.precision.extension import PrecisionRun
 from megatron_ext.precision.plan import load_plan
 from megatron_ext.precision.policies import uniform_plan
 from megatron_ext.precision.site_formats import SiteFormats
@@ -126,3 +129,17 @@ def test_plan_lines_are_rate_limited_with_the_count(monkeypatch, capsys):
                        50: "precision: plan p7 | 2 plan changes since step 0",
                        100: "precision: plan p61 | 2 plan changes since step 50",
                        200: "precision: plan p200"}
+
+
+def test_changed_sites_wait_for_the_next_logged_step():
+    precision = PrecisionRun()
+    precision.controller.applied = SimpleNamespace(hash="0123456789abcdef")
+    precision.report = SimpleNamespace(metrics=lambda: {"precision_fp4_frac": 0.5})
+    precision.changed = ["L0.fc2"]
+    quiet = SimpleNamespace(step_result={"logged": False})
+    logged = SimpleNamespace(step_result={"logged": True})
+    assert precision.on_step(None, quiet, None) is None
+    assert precision.on_step(None, logged, None) == {
+        "precision_fp4_frac": 0.5, "precision_plan": "0123456789ab",
+        "precision_changed_sites": ["L0.fc2"]}
+    assert "precision_changed_sites" not in precision.on_step(None, logged, None)
