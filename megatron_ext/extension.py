@@ -152,7 +152,8 @@ class Extension:
     """After each optimizer step (``run.step_result`` holds its result); a returned dict is
     merged into that step's metrics record. ``run.step_result["logged"]`` says whether that
     record is written (the same on every rank): metrics that cost time may be left out of the
-    others."""
+    others. What an unlogged step returns goes into the next logged record (later steps' values
+    win), so an event (a refresh, a profile) is never dropped."""
     on_nonfinite: Callable[..., dict | None] | None = None
     """On every rank after a step whose loss or gradients were not finite (its update was
     skipped, ``state.iteration`` is that step), before ``on_step``: the place to move offending

@@ -155,6 +155,7 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
     for hook in ext.hooks(extensions, "on_train_start"):
         hook(args, run, state)
     memory = PeakMemory()  # peak since the last logged step, hooks included
+    unlogged: dict = {}  # the hooks' metrics since the last logged step
     try:
         while state.iteration < args.train_iters:
             for phase in ("before_step", "commit_step"):  # propose, then commit (extension.py)
@@ -171,7 +172,8 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
             stop = _due(args.exit_interval, state)
             result["logged"] = (state.iteration % args.log_interval == 0 or state.iteration == 1
                                 or result["skipped"] or last or stop)
-            extra = _after_step(args, run, state, extensions)
+            extra = {**unlogged, **_after_step(args, run, state, extensions)}
+            unlogged = {} if result["logged"] else extra  # events reach the next record
             if logger and result["logged"]:
                 logger.train_step({
                     "step": state.iteration, "loss": result["loss"],

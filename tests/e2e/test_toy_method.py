@@ -27,9 +27,16 @@ def test_method_folder_is_small():
 
 
 def test_toy_policy_makes_the_base_plan(tmp_path):
-    _run(tmp_path / "toy", "--precision", "toy", "--train-iters", "2", "--no-save")
+    _run(tmp_path / "toy", "--precision", "toy", "--train-iters", "4", "--no-save",
+         "--log-interval", "3", "--toy-promote-at", "2")
+    steps = {r["step"]: r for r in read_metrics(tmp_path / "toy") if "loss" in r}
+    assert sorted(steps) == [1, 3, 4]
+    # step 2's event (not logged) and the switch it caused at step 3 are in step 3's record
+    assert steps[3]["toy_promoted"] == PROMOTED
+    assert steps[3]["precision_changed_sites"] == [PROMOTED]
+    assert "toy_promoted" not in steps[4] and "precision_changed_sites" not in steps[4]
     plan = _plan(tmp_path / "toy" / "precision_plan.json")
-    assert plan["method"] == "toy"
+    assert plan["method"] == "toy+promote"  # the base is the toy policy's
     assert plan["sites"]["L1.qkv"]["x"] == "fp8_e4m3@tile128"
     assert plan["sites"]["L2.fc1"]["x"] == "fp4_e2m1@tile128"
 
