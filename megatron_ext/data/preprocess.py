@@ -280,7 +280,8 @@ class _Progress:
               file=self.stream, flush=True)
 
     def rate(self, now: float) -> float:
-        """Input bytes per second since the first chunk (since the start until a second)."""
+        """Input bytes per second since the first chunk came back (since the start while
+        that chunk is the only one)."""
         since, done = self.first
         if self.bytes == done or now - since <= 0:
             since, done = self.start, 0

@@ -70,7 +70,7 @@ class _LockingTokenizer(ByteTokenizer):
 
 def test_workers_do_not_inherit_a_lock_another_thread_holds(tmp_path, write_jsonl):
     """A forked worker would copy ``_LOCK`` held and wait on it forever (the hang CI saw once,
-    after ``tokenizers`` had started its thread pool); the forkserver's workers start clean."""
+    after ``tokenizers`` had started its thread pool); spawned workers start clean."""
     docs = ["a", "bb", "ccc"] * 700  # 2 chunks, one per worker
     encoder = preprocess_module._Encoder(_LockingTokenizer(), ("text",), False, "docs.jsonl")
     results = []
