@@ -5,8 +5,13 @@ block holding one is scaled by its finite values (and the special values pass th
 unchanged). Both the torch reference (:mod:`.pipeline`) and the Triton kernels
 (:mod:`.triton_kernels`) take the tensor amax from here.
 
-The common case is cheap: one read-only reduction pass (or two, for a max and a min), and
-the masked recomputation that drops NaN and inf runs only when the fast result is not finite.
+The common case is cheap on CPU: one read-only reduction pass (or two, for a max and a min),
+and the masked recomputation that drops NaN and inf runs only when the fast result is not
+finite. Deciding that reads the result on the host, which on a GPU waits for every kernel
+queued before it; so on CUDA (where the Triton kernels take most formats, and this path runs
+for float64, a format they do not take, and ``precision.gemm.whole_tensor_amax`` under TP)
+the masked reduction always runs, and the tensor is reported as possibly non-finite (its
+special values then pass through by a ``where``, which leaves finite values unchanged).
 """
 
 from __future__ import annotations
@@ -17,17 +22,23 @@ import torch
 
 from .rounding import work_dtype
 
-__all__ = ["block_amax", "finite_amax"]
+__all__ = ["block_amax", "finite_amax", "reads_host"]
+
+
+def reads_host(v: torch.Tensor) -> bool:
+    """Whether the fast path may read ``v``'s amax on the host: not for CUDA tensors."""
+    return not v.is_cuda
 
 
 def finite_amax(v: torch.Tensor, dims: tuple[int, ...], keepdim: bool = True):
     """Largest finite magnitude of ``v`` over ``dims`` (work dtype), and whether ``v`` had
-    any NaN or inf. Two read-only reductions; the masked recomputation runs only when
-    needed. For whole tensors (blocks use :func:`block_amax`)."""
-    amax = torch.maximum(v.amax(dims, keepdim=keepdim), v.amin(dims, keepdim=keepdim).neg_())
+    any NaN or inf (True, unread, on CUDA). Two read-only reductions; the masked
+    recomputation runs only when needed. For whole tensors (blocks use :func:`block_amax`)."""
     work = work_dtype(v.dtype)
-    if math.isfinite(amax.max()):  # max propagates NaN
-        return amax if amax.dtype == work else amax.to(work), False
+    if reads_host(v):
+        amax = torch.maximum(v.amax(dims, keepdim=keepdim), v.amin(dims, keepdim=keepdim).neg_())
+        if math.isfinite(amax.max()):  # max propagates NaN
+            return amax if amax.dtype == work else amax.to(work), False
     a = v.abs()
     a.masked_fill_(~torch.isfinite(a), 0)
     return a.amax(dims, keepdim=keepdim).to(work), True
@@ -35,16 +46,18 @@ def finite_amax(v: torch.Tensor, dims: tuple[int, ...], keepdim: bool = True):
 
 def block_amax(v4: torch.Tensor, scratch: torch.Tensor):
     """Per-block largest finite magnitude of the blocked work tensor ``v4`` (shape
-    ``(groups, group_rows, blocks, block_cols)``), and whether it held NaN or inf.
+    ``(groups, group_rows, blocks, block_cols)``), and whether it held NaN or inf (True,
+    unread, on CUDA).
 
     ``|v|`` goes into ``scratch`` (an integer tensor of ``v4``'s shape and width) by
     clearing sign bits, then one reduction (max-pooling for blocks of 16 or fewer, where
     torch's inner-dimension reduction is slow)."""
     a = torch.bitwise_and(v4.view(scratch.dtype), _ABS_MASK[scratch.dtype], out=scratch)
     a = a.view(v4.dtype)
-    amax = _reduce_blocks(a)
-    if math.isfinite(amax.max()):  # max propagates NaN
-        return amax, False
+    if reads_host(v4):
+        amax = _reduce_blocks(a)
+        if math.isfinite(amax.max()):  # max propagates NaN
+            return amax, False
     a.masked_fill_(~torch.isfinite(a), 0)
     return _reduce_blocks(a), True
 

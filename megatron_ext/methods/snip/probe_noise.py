@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.methods.snip.tensor_store import on_device
+
 PROBES = ("isotropic", "dgrad")
 """``--snip-probe`` choices."""
 
@@ -90,7 +92,7 @@ class ProbeNoise:
         noise = sigma * self.noise_like(x, shard, self._fwd_micro)
         self._fwd_micro += 1
         rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseF"] += float(noise.square().sum()) * rep
+        self.stats["noiseF"] += on_device(noise.square().sum()) * rep
         return x + noise.to(x.dtype)
 
     def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
@@ -108,5 +110,5 @@ class ProbeNoise:
             noise = dgrad_shaped(eps, self.probe_map, sigma)
         self._bwd_micro += 1
         rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseB"] += float(noise.square().sum()) * rep / self.dp ** 2
+        self.stats["noiseB"] += on_device(noise.square().sum()) * rep / self.dp ** 2
         return noise.to(grad.dtype)

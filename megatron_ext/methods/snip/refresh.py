@@ -187,15 +187,17 @@ def reduce_statistics(observers: dict[str, SiteObserver], args, candidates: dict
     """Sum every rank's shares (one all-reduce) into the global per-site statistics."""
     sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
     cols = _layout(candidates)
-    flat = torch.zeros(len(sites), len(cols), dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=device())
+    values = [zero] * (len(sites) * len(cols))  # 0-dim float64, on the device
     for i, sid in enumerate(sites):
         obs = observers.get(sid)
         for c, (key, fmt) in enumerate(cols):
-            if obs is not None:
-                flat[i, c] = obs.stats[key] if fmt is None else obs.stats[key][fmt]
-    flat = flat.to(device())
+            value = 0.0 if obs is None else obs.stats[key] if fmt is None else obs.stats[key][fmt]
+            if torch.is_tensor(value):  # a statistic no pass added to stays the float 0.0
+                values[i * len(cols) + c] = value
+    flat = torch.stack(values).view(len(sites), len(cols))
     dist.all_reduce(flat)
-    flat = flat.cpu()
+    flat = flat.cpu()  # the refresh's one read of its statistics
     shape = ModelShape.from_args(args)
     out = []
     for i, sid in enumerate(sites):

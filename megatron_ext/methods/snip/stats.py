@@ -8,9 +8,9 @@ Notation for one site: ``x`` (M x K tokens x inputs), ``w`` (N x K), ``dy`` (M x
 applied as the GEMM that reads ``t`` applies it (blocks along its reduction axis, see
 :mod:`megatron_ext.precision.gemm`); ``‖·‖_r`` the norm of row ``r``.
 
-Every statistic is a **sum of squares**, kept per site as a float64 scalar (per candidate
-format where it involves an error), so ranks add their parts with one all-reduce of
-``sites x stats`` scalars (the error GEMMs below are completed over TP / DP first).
+Every statistic is a **sum of squares**, kept per site as a float64 scalar on the device
+(per candidate format where it involves an error; read to the host once per refresh), so
+ranks add their parts with one all-reduce of ``sites x stats`` scalars (the error GEMMs below are completed over TP / DP first).
 Row-wise products (SNIP §6.3 "row-wise formulation") are taken per row (token ``m`` of x /
 dy / dx, output channel ``n`` of w / dw), which needs each row's norm complete: under
 tensor parallelism a row split across TP ranks (row-parallel ``x``, ``dx``, ``w``) is
@@ -94,7 +94,7 @@ from megatron_ext.precision.site_formats import PASSTHROUGH
 from megatron_ext.methods.snip.observed_gemm import ObservedGemm, TapInput
 from megatron_ext.methods.snip.probe_noise import (BASE, PROBE_BACKWARD, PROBE_FORWARD,
                                                    ProbeNoise)
-from megatron_ext.methods.snip.tensor_store import Stored, TensorStore
+from megatron_ext.methods.snip.tensor_store import Stored, TensorStore, on_device
 from megatron_ext.training.memory import trim_heap
 
 SCALARS = ("xx", "ww", "dydy", "dxdx", "dxdxN", "dwdw", "AA", "dgB", "dgF", "dgAB",
@@ -191,7 +191,7 @@ class SiteObserver(ProbeNoise):
         return rows
 
     def _add(self, key: str, value: torch.Tensor, fmt: str | None = None, rep: float = 1.0):
-        amount = float(value.sum()) * rep
+        amount = on_device(value.sum()) * rep
         if fmt is None:
             self.stats[key] += amount
         else:
@@ -237,7 +237,7 @@ class SiteObserver(ProbeNoise):
 
     def _residual_response(self, grad: torch.Tensor) -> None:
         rep = 1.0 / self.tp if self.x_rows_replicated else 1.0
-        self.stats["resB"] += float(grad.detach().double().square().sum()) * rep / self.dp ** 2
+        self.stats["resB"] += on_device(grad.detach().double().square().sum()) * rep / self.dp ** 2
 
     def take_norm_gain(self) -> torch.Tensor | None:
         gain, self._norm_gain = self._norm_gain, None
@@ -293,7 +293,7 @@ class SiteObserver(ProbeNoise):
         it is weighted at once and dropped (:meth:`_weigh`'s sum, the same float64
         operations); else summed until the site's pass is complete."""
         if a2 is not None:
-            self.stats[key][f] += float((a2 * product.square()).sum())
+            self.stats[key][f] += on_device((a2 * product.square()).sum())
         else:
             self._wgrad_error[key][f] = self._wgrad_error[key][f] + product
 
@@ -338,7 +338,7 @@ class SiteObserver(ProbeNoise):
                 self._g_base.free()
                 self._g_base = None
             self._probe_dg[key] = dw
-            self.stats[key] += float(dw.square().sum()) / self.dp
+            self.stats[key] += on_device(dw.square().sum()) / self.dp
         if self._a2 is not None:
             self._weigh()
         trim_heap()
@@ -350,7 +350,7 @@ class SiteObserver(ProbeNoise):
         passes, each error is weighted as soon as its site's pass is complete and never kept;
         given after, the kept ones now."""
         self._a2 = a2 if isinstance(a2, Stored) else Stored(a2)
-        self.stats["AA"] += float(self._a2.get().double().sum()) / self.dp
+        self.stats["AA"] += on_device(self._a2.get().double().sum()) / self.dp
         self._weigh()
 
     def _weigh(self) -> None:
@@ -360,11 +360,11 @@ class SiteObserver(ProbeNoise):
             for f, error in errors.items():
                 if torch.is_tensor(error):
                     a2 = self._a2.get(error.device) if a2 is None else a2
-                    self.stats[key][f] += float((a2 * error.square()).sum()) / self.dp
+                    self.stats[key][f] += on_device((a2 * error.square()).sum()) / self.dp
                     errors[f] = 0.0
         for key, dg in self._probe_dg.items():
             a2 = self._a2.get(dg.device) if a2 is None else a2
-            self.stats[key.replace("dg", "dgA")] += float((a2 * dg.square()).sum()) / self.dp
+            self.stats[key.replace("dg", "dgA")] += on_device((a2 * dg.square()).sum()) / self.dp
         self._probe_dg = {}
 
     def _weight_stats(self, w: torch.Tensor, dw: torch.Tensor) -> None:

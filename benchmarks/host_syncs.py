@@ -1,0 +1,256 @@
+"""Host synchronisations per training step, counted on CPU (not a test).
+
+    python benchmarks/host_syncs.py -- --precision snip --train-iters 8
+    python benchmarks/host_syncs.py --json syncs.json -- --gnmr --precision uniform:fp4
+
+On a GPU a step runs at the device's speed only while the host queues kernels ahead of it.
+Every read of a device value on the host waits for everything queued before it: ``.item()``,
+``float(t)``, ``if t:``, ``.tolist()``, ``.cpu()``, ``nonzero``, a boolean-mask index. A few
+reads per step are cheap; one per site or per parameter is not, and on CPU, where a read
+costs nothing, it is invisible. So this script trains in its own process, on CPU, under a
+``TorchDispatchMode`` that
+
+* follows which tensors would live on the GPU: the model's parameters and gradients, and
+  every tensor an op makes or writes from one of them or through a collective (``c10d``);
+  a host copy (``.cpu()``) is a host tensor again, as is anything made from host tensors
+  only (a step count made by ``torch.tensor(0.0)``);
+* counts every op that reads such a tensor on the host (:data:`SYNC_OPS`; ``item`` and
+  ``bool`` both end in ``_local_scalar_dense``) and the ``Tensor`` methods that copy to the
+  host without an op (:data:`SYNC_METHODS`), each charged to the innermost line of this
+  project or of megatron-core that asked, and to the step it happened in (its
+  ``before_step`` hooks, the step, its ``on_step`` hooks, validation, checkpointing).
+
+It prints, per step, the count and whether the step was logged (``--log-interval``: a logged
+step may read more, for its metrics), then the sources of the median unlogged step.
+
+Limits: a tensor made on the device from host data without a parameter (``torch.zeros(...,
+device=...)`` filled from a host array) counts as a host tensor until a collective or a
+parameter touches it; the formats' amax check reads on CPU only (on CUDA the Triton kernels
+run, or the check is skipped), so those reads are listed apart (:data:`EXEMPT`); only the
+main thread is seen (not a checkpoint writer's). On a GPU, ``torch.cuda.set_sync_debug_mode``
+is the direct check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_ext.extension import Extension  # noqa: E402
+
+aten = torch.ops.aten
+SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+            aten.equal.default, aten.unique_consecutive.default, aten._unique2.default,
+            aten.unique_dim.default, aten.repeat_interleave.Tensor}
+"""Ops whose result the host must wait for: a value (``item``, ``bool``, ``equal``) or a
+data-dependent size (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``
+without ``output_size``). A boolean-mask index is ``index.Tensor`` with a bool index."""
+SYNC_METHODS = ("tolist", "numpy", "cpu")
+"""``Tensor`` methods that copy to the host without a dispatched op."""
+ON_DEVICE = "_host_syncs_on_device"
+"""The attribute that marks a tensor as one a GPU run keeps on the device."""
+OUR_CODE = (str(REPO / "megatron_ext"), f"{Path('megatron') / 'core'}")
+PASSED_THROUGH = str(REPO / "megatron_ext" / "compat" / "cpu.py")
+"""The CPU patch's function mode sees every call: its caller is charged instead."""
+AMAX = str(REPO / "megatron_ext" / "formats" / "amax.py")
+EXEMPT = {"CPU only": "the formats' amax check, which reads on the host only where that is "
+                      "free (formats/amax.py: reads_host is False for CUDA tensors)"}
+"""Reads listed apart and not counted, by why."""
+
+
+def _exemption(frame) -> str | None:
+    """The :data:`EXEMPT` key that covers a read made under ``frame``, if any."""
+    return "CPU only" if frame.f_code.co_filename == AMAX else None
+
+
+def _source() -> tuple[str, str | None]:
+    """``path:line function`` of the innermost frame in this project or megatron-core, and
+    the :data:`EXEMPT` key that covers the read (None: counted)."""
+    frame, source, exempt = sys._getframe(2), "elsewhere", None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        exempt = exempt or _exemption(frame)
+        if source == "elsewhere" and any(p in name for p in OUR_CODE) and name != PASSED_THROUGH:
+            short = name.split("site-packages/")[-1].replace(str(REPO) + "/", "")
+            source = f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return source, exempt
+
+
+def on_device(t) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, ON_DEVICE, False)
+
+
+def mark(tensors) -> None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            setattr(t, ON_DEVICE, True)
+
+
+def mark_model(chunks: list) -> None:
+    """Marks the parameters, their gradients and megatron DDP's contiguous buffers."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            mark([p, p.grad, getattr(p, "main_grad", None)])
+        buffers = getattr(chunk, "buffers", None)
+        for b in buffers if isinstance(buffers, list) else []:
+            mark([b.grad_data, b.param_data])
+
+
+def _is_sync(func, args, kwargs) -> bool:
+    if func in SYNC_OPS:
+        return True
+    if func is aten.index.Tensor:  # a boolean mask: its size depends on the values
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    return func is aten.repeat_interleave.self_Tensor and kwargs.get("output_size") is None
+
+
+def _written(func, args, kwargs) -> list:
+    """The arguments ``func`` writes in place (``Tensor(a!)`` in its schema)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            out += value if isinstance(value, (list, tuple)) else [value]
+    return out
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the main thread's host reads of device tensors by step (:meth:`extension`
+    marks the steps and the parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0  # 0: set-up, before the first step's hooks
+        self.reads: dict[int, Counter] = {}  # step -> source -> counted reads
+        self.exempt: dict[int, Counter] = {}  # step -> EXEMPT key -> reads
+        self.logged: dict[int, bool] = {}
+        self._main = threading.main_thread()
+        self._originals = {m: getattr(torch.Tensor, m) for m in SYNC_METHODS}
+        self._inside = threading.local()  # in a wrapped method: its own ops are not reads
+
+    def record(self) -> None:
+        if threading.current_thread() is not self._main or getattr(self._inside, "on", False):
+            return
+        source, exempt = _source()
+        if exempt:
+            self.exempt.setdefault(self.step, Counter())[exempt] += 1
+        else:
+            self.reads.setdefault(self.step, Counter())[source] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = pytree.tree_leaves((args, kwargs))
+        device_in = func.namespace == "c10d" or any(map(on_device, inputs))
+        if device_in and _is_sync(func, args, kwargs):
+            self.record()
+        out = func(*args, **kwargs)
+        if device_in:
+            mark(pytree.tree_leaves(out))
+            mark(inputs if func.namespace == "c10d" else _written(func, args, kwargs))
+        return out
+
+    def __enter__(self):
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, self._wrap(name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+    def _wrap(self, name: str, original):
+        def method(tensor, *args, **kwargs):
+            if not on_device(tensor):
+                return original(tensor, *args, **kwargs)
+            self.record()
+            self._inside.on = True
+            try:
+                if name == "cpu":  # a host copy, as on a GPU (on CPU: the tensor itself)
+                    tensor = tensor.detach().clone()
+                    setattr(tensor, ON_DEVICE, False)
+                return original(tensor, *args, **kwargs)
+            finally:
+                self._inside.on = False
+        return method
+
+    def extension(self) -> Extension:
+        """First in the list: marks the model once it is built (and DDP's buffers once they
+        are), opens a step's window before any other hook and notes whether it is logged."""
+        def before(args, run, state):
+            self.step = state.iteration + 1
+
+        def after(args, run, state):
+            self.logged[state.iteration] = bool(run.step_result.get("logged"))
+
+        return Extension(name="host_syncs", after_model=lambda args, chunks: mark_model(chunks),
+                         on_train_start=lambda args, run, state: mark_model(run.model),
+                         before_step=before, on_step=after)
+
+    def steps(self) -> list[dict]:
+        return [{"step": s, "logged": logged, "count": sum(self.reads.get(s, {}).values()),
+                 "sources": dict(self.reads.get(s, Counter()).most_common()),
+                 "exempt": dict(self.exempt.get(s, {}))}
+                for s, logged in sorted(self.logged.items())]
+
+
+def count(train_args: list[str]) -> list[dict]:
+    """Train with ``train_args`` in this process under a :class:`SyncCounter`; per step:
+    ``{"step", "logged", "count", "sources": {source: reads}, "exempt": {EXEMPT key:
+    reads}}``."""
+    from megatron_ext.defaults import default_extensions
+    from megatron_ext.training.pretrain import main
+
+    counter = SyncCounter()
+    sys.argv = ["pretrain_llama.py", *train_args]
+    with counter:
+        status = main("llama", extensions=[counter.extension(), *default_extensions()])
+    if status:
+        raise SystemExit(f"training failed (exit {status})")
+    return counter.steps()
+
+
+def summary(steps: list[dict]) -> str:
+    lines = ["step  logged  host reads  not counted"]
+    lines += [f"{s['step']:>4}  {'yes' if s['logged'] else 'no':>6}  {s['count']:>10}  "
+              + ", ".join(f"{k} {n}" for k, n in s["exempt"].items()) for s in steps]
+    quiet = [s for s in steps if not s["logged"]]
+    if quiet:
+        median = sorted(quiet, key=lambda s: s["count"])[len(quiet) // 2]
+        lines.append(f"\nmedian unlogged step ({median['step']}): {median['count']} reads "
+                     f"(median over the {len(quiet)} unlogged steps: "
+                     f"{statistics.median(s['count'] for s in quiet):g}), from")
+        lines += [f"  {n:>4}  {source}" for source, n in median["sources"].items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, help="also write the per-step counts here")
+    p.add_argument("train_args", nargs=argparse.REMAINDER,
+                   help="after --: pretrain_llama.py's flags (CPU; --run-dir recommended)")
+    args = p.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    steps = count(train_args)
+    print(summary(steps))
+    if args.json:
+        args.json.write_text(json.dumps(steps, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
