@@ -22,6 +22,12 @@ from precision_helpers import megatron_world  # noqa: E402,F401  (fixture)
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
 H, F, S, B = 128, 256, 16, 2
+
+
+def _host(stats: dict) -> dict:
+    """An observer's statistics (device scalars, or 0.0 where nothing was added) as floats."""
+    return {k: _host(v) if isinstance(v, dict) else float(v) for k, v in stats.items()}
+
 CANDIDATES = {"x": ("fp8_e4m3@tile128", "fp4_e2m1@tile128"),
               "w": ("fp8_e4m3@block128", "fp4_e2m1@block128"),
               "dy": ("fp8_e4m3@tile128", "fp4_e2m1@tile128")}
@@ -70,7 +76,7 @@ def test_statistics_equal_brute_force(base):
     w, x2, dy = layer.weight.detach().double(), x.reshape(-1, k).double(), r.reshape(-1, r.shape[-1]).double()
     assert torch.allclose(dx.double().reshape(-1, k), dy @ w, rtol=1e-5, atol=1e-5)  # unquantized
     dw = dy.t() @ x2
-    st = obs.stats
+    st = _host(obs.stats)
     expect = {"xx": x2.square().sum(), "ww": w.square().sum(), "dydy": dy.square().sum(),
               "dxdx": (dy @ w).square().sum(), "dwdw": dw.square().sum()}
     for key, value in expect.items():
@@ -95,6 +101,7 @@ def test_statistics_equal_brute_force(base):
     # AdamW-weighted own errors: ‖A ⊙ δg‖² of the error GEMMs themselves
     a2 = torch.rand(w.shape, dtype=torch.float64)
     obs.adam_weighted(a2)
+    st = _host(obs.stats)
     for f in CANDIDATES["dy"]:
         err = _q(dy.t().float(), f, -1).t().double() - dy  # quantized along the tokens
         expect = (a2 * (err.t() @ x2).square()).sum()
@@ -117,20 +124,20 @@ def test_probes_measure_the_gradient_change_of_the_noise():
     _run(layer, obs, x, r, PROBE_BACKWARD)
     xi = obs.noise_like(r, None, 0) * 0.1 * r.double().square().mean(-1, keepdim=True).sqrt()
     delta_b = xi.reshape(-1, H).t() @ x.reshape(-1, F).double()
-    assert obs.stats["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
-    assert obs.stats["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
+    assert _host(obs.stats)["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
+    assert _host(obs.stats)["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
     # the response at the site's input: Δdx = ξ w (what the in-layer transfer divides by)
     sent_down = xi.reshape(-1, H) @ layer.weight.detach().double()
-    assert obs.stats["dxB"] == pytest.approx(float(sent_down.square().sum()), rel=1e-5)
+    assert _host(obs.stats)["dxB"] == pytest.approx(float(sent_down.square().sum()), rel=1e-5)
     _run(layer, obs, x, r, PROBE_FORWARD)
     obs.mode = PROBE_FORWARD  # noise_like seeds the forward stream
     nu = obs.noise_like(x, x.dim() - 1, 0) * 0.1 * float(x.square().mean().sqrt())
     delta_f = r.reshape(-1, H).double().t() @ nu.reshape(-1, F)
-    assert obs.stats["dgF"] == pytest.approx(float(delta_f.square().sum()), rel=1e-4)
+    assert _host(obs.stats)["dgF"] == pytest.approx(float(delta_f.square().sum()), rel=1e-4)
     a2 = torch.rand(H, F, dtype=torch.float64)
     obs.adam_weighted(a2)
-    assert obs.stats["dgAB"] == pytest.approx(float((a2 * delta_b.square()).sum()), rel=1e-4)
-    assert obs.stats["dgAF"] == pytest.approx(float((a2 * delta_f.square()).sum()), rel=1e-4)
+    assert _host(obs.stats)["dgAB"] == pytest.approx(float((a2 * delta_b.square()).sum()), rel=1e-4)
+    assert _host(obs.stats)["dgAF"] == pytest.approx(float((a2 * delta_f.square()).sum()), rel=1e-4)
 
 
 def test_dgrad_probe_replaces_the_gradient_by_noise_through_the_entry_map():
@@ -147,9 +154,9 @@ def test_dgrad_probe_replaces_the_gradient_by_noise_through_the_entry_map():
     eps = obs.noise_like(torch.zeros(S, B, 3 * H), None, 0)
     sigma = 0.1 * r.double().square().mean(-1, keepdim=True).sqrt()
     xi = eps @ mapping * sigma / (mapping.square().sum() / H).sqrt()
-    assert obs.stats["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
+    assert _host(obs.stats)["noiseB"] == pytest.approx(float(xi.square().sum()), rel=1e-5)
     delta_b = xi.reshape(-1, H).t() @ x.reshape(-1, F).double()
-    assert obs.stats["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
+    assert _host(obs.stats)["dgB"] == pytest.approx(float(delta_b.square().sum()), rel=1e-4)
 
 
 def test_dgrad_shaped_noise_has_the_covariance_of_a_dgrad_error():
@@ -195,7 +202,7 @@ def _coherent_run(x, r, w=None):
     obs = SiteObserver("L0.fc1", layer, TENSOR)
     _run(layer, obs, x, r)
     obs.adam_weighted(torch.ones_like(layer.weight, dtype=torch.float64))
-    return obs.stats, layer.weight.detach().double()
+    return _host(obs.stats), layer.weight.detach().double()
 
 
 def test_wgrad_errors_of_identical_tokens_add_coherently():
@@ -285,10 +292,10 @@ def test_norm_gain_weights_the_sites_dx_rows():
     (y * r).sum().backward()
     hook.remove()
     kappa2 = 1.0 / (h.double().square().mean(-1).reshape(-1) + 1e-5)  # γ = 1
-    assert obs.stats["dxdxN"] == pytest.approx(float((_rows(x.grad) * kappa2).sum()), rel=1e-5)
+    assert _host(obs.stats)["dxdxN"] == pytest.approx(float((_rows(x.grad) * kappa2).sum()), rel=1e-5)
     plain = SiteObserver("L0.fc1", layer, CANDIDATES)
     _run(layer, plain, x.detach(), r)
-    assert plain.stats["dxdxN"] == 0.0 and plain.stats["dxdx"] > 0
+    assert _host(plain.stats)["dxdxN"] == 0.0 and _host(plain.stats)["dxdx"] > 0
 
 
 def _held(obs) -> int:
@@ -316,9 +323,9 @@ def test_adam_known_in_advance_streams_the_same_statistics():
         for mode in (BASE, PROBE_BACKWARD, PROBE_FORWARD):
             _run(layer, early, x, r, mode)
             assert _held(early) == 0
-        for key, value in late.stats.items():
+        for key, value in _host(late.stats).items():
             expect = value if isinstance(value, dict) else {"": value}
-            got = early.stats[key] if isinstance(value, dict) else {"": early.stats[key]}
+            got = _host(early.stats)[key] if isinstance(value, dict) else {"": _host(early.stats)[key]}
             for f, v in expect.items():
                 assert got[f] == pytest.approx(v, rel=rel, abs=1e-300), (key, f)
 
@@ -340,7 +347,7 @@ def test_offloaded_base_gradient_and_a2_give_the_same_statistics(offload, tmp_pa
         obs.adam_weighted(store.put(a2))
         for mode in (BASE, PROBE_BACKWARD, PROBE_FORWARD):
             _run(layer, obs, x, r, mode)
-        runs.append(obs.stats)
+        runs.append(_host(obs.stats))
         assert obs._g_base is None
         if store.folder is not None:
             assert sorted(p.name for p in Path(store.folder).iterdir()) == ["0.pt"]  # A²
