@@ -96,12 +96,16 @@ def _grad_tensors(model: list) -> list[torch.Tensor]:
     return grads
 
 
-def local_grads_finite(model: list) -> bool:
-    """True if every gradient element on this rank is finite. One sum per buffer: a sum is
-    non-finite exactly when an element is (or when it overflows FP32, which clipping could
-    not survive either), and it needs no temporary as large as the buffer."""
+def local_grads_finite(model: list) -> torch.Tensor:
+    """Whether every gradient element on this rank is finite: a 0-dim bool tensor on the
+    device, not read here (:func:`guarded_step` reads the all-reduced verdict once). One sum
+    per buffer: a sum is non-finite exactly when an element is (or when it overflows FP32,
+    which clipping could not survive either), and it needs no temporary as large as the
+    buffer."""
     sums = [g.sum(dtype=torch.float32) for g in _grad_tensors(model)]
-    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
+    if not sums:
+        return torch.ones((), dtype=torch.bool, device=device())
+    return torch.isfinite(torch.stack(sums).sum())
 
 
 def _has_grad_scaler(optimizer) -> bool:
@@ -117,8 +121,9 @@ def guarded_step(optimizer, model: list, loss: float) -> tuple[bool, float]:
     if _has_grad_scaler(optimizer):
         update_ok, grad_norm, _ = optimizer.step()
         return update_ok, float(grad_norm) if update_ok and grad_norm is not None else math.nan
-    bad = torch.tensor([not math.isfinite(loss) or not local_grads_finite(model)],
-                       dtype=torch.int32, device=device())
+    bad = local_grads_finite(model).logical_not().to(torch.int32).reshape(1)
+    if not math.isfinite(loss):
+        bad.fill_(1)
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():

@@ -55,11 +55,11 @@ def _model_with_grads(*values):
 
 
 def test_local_grads_finite():
-    assert local_grads_finite(_model_with_grads(1.0, -2.0))
-    assert not local_grads_finite(_model_with_grads(1.0, math.nan))
-    assert not local_grads_finite(_model_with_grads(math.inf, 1.0))
-    assert not local_grads_finite(_model_with_grads(math.inf, -math.inf))  # sums to nan
-    assert local_grads_finite([torch.nn.Linear(2, 1)])  # no gradients at all
+    assert local_grads_finite(_model_with_grads(1.0, -2.0)).item()
+    assert not local_grads_finite(_model_with_grads(1.0, math.nan)).item()
+    assert not local_grads_finite(_model_with_grads(math.inf, 1.0)).item()
+    assert not local_grads_finite(_model_with_grads(math.inf, -math.inf)).item()  # sums to nan
+    assert local_grads_finite([torch.nn.Linear(2, 1)]).item()  # no gradients at all
 
 
 class RecordingOptimizer:
