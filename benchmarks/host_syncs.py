@@ -2,6 +2,9 @@
 
     python benchmarks/host_syncs.py -- --precision snip --train-iters 8
     python benchmarks/host_syncs.py --json syncs.json -- --gnmr --precision uniform:fp4
+    torchrun --nproc-per-node 2 benchmarks/host_syncs.py -- --tensor-model-parallel-size 2
+
+(rank 0's reads are printed and written.)
 
 On a GPU a step runs at the device's speed only while the host queues kernels ahead of it.
 Every read of a device value on the host waits for everything queued before it: ``.item()``,
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -238,17 +242,18 @@ def summary(steps: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, usage="%(prog)s [--json JSON] -- FLAGS",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, help="also write the per-step counts here")
-    p.add_argument("train_args", nargs=argparse.REMAINDER,
-                   help="after --: pretrain_llama.py's flags (CPU; --run-dir recommended)")
-    args = p.parse_args(argv)
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)  # torchrun drops the "--"
+    args, rest = p.parse_known_args(argv[:cut])
+    train_args = rest + argv[cut + 1:]  # pretrain_llama.py's flags (CPU; a --run-dir)
     steps = count(train_args)
-    print(summary(steps))
-    if args.json:
-        args.json.write_text(json.dumps(steps, indent=1) + "\n", encoding="utf-8")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(summary(steps))
+        if args.json:
+            args.json.write_text(json.dumps(steps, indent=1) + "\n", encoding="utf-8")
     return 0
 
 
