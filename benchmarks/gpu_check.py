@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SECTIONS = ("env", "main", "formats", "stquant", "gemm", "train", "pytest")
+SECTIONS = ("env", "main", "formats", "stquant", "gemm", "train", "syncs", "pytest")
 GEMM_SHAPES = [(8192, 2048, 5632), (8192, 5632, 2048), (8192, 2048, 2048), (16384, 8192, 8192)]
 """(M, K, N) of ``(M, K) @ (K, N)``: TinyLlama-1.1B's fc1 / fc2 / proj at 8192 tokens, and a
 large square one."""
@@ -64,6 +64,18 @@ TRAIN_CONFIGS = {
 ``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` /
 ``{snip_plan}`` is the last plan the ``pgq`` / ``snip`` row wrote (run that row first): the
 method's overhead is its step time over its own plan's through ``--precision-plan``."""
+SYNC_CONFIGS = {
+    "uniform:fp8": ["--precision", "uniform:fp8"],
+    "snip + gnmr + stquant + gaussws": ["--precision", "snip", "--snip-start", "3",
+                                        "--snip-interval", "0", "--gnmr", "--optimizer",
+                                        "stquant-adamw", "--gaussws", "od"],
+    "pgq": ["--precision", "pgq"],
+}
+"""``--precision`` etc. per row of the ``syncs`` section (``benchmarks/host_syncs.py`` at
+:data:`SYNC_SHAPE`: its CPU-side count of host reads beside CUDA's own count)."""
+SYNC_SHAPE = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
+              "--seq-length", "64", "--lr-warmup-iters", "1", "--eval-iters", "0",
+              "--train-iters", "6", "--log-interval", "100", "--no-save"]
 TRAIN_SHAPE = ["--model", "tinyllama-1.1b", "--mock-data", "--micro-batch-size", "2",
                "--global-batch-size", "2", "--seq-length", "2048", "--eval-iters", "0",
                "--no-save", "--log-interval", "1"]
@@ -82,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--formats-budget", type=float, default=60.0,
                    help="seconds for the formats section's timed rows (those left are skipped)")
     p.add_argument("--main-steps", type=int, default=50, help="steps of the main job")
+    p.add_argument("--sync-configs", nargs="+", choices=list(SYNC_CONFIGS),
+                   default=list(SYNC_CONFIGS), help="rows of the syncs section (default: all)")
     p.add_argument("--pytest-timeout", type=int, default=200,
                    help="seconds for pytest (killed after)")
     p.add_argument("--pytest-paths", nargs="+", default=["tests/unit"],

@@ -214,6 +214,39 @@ def _refresh_ratio(run_dir: Path):
         return str(exc)
 
 
+def syncs(args, out) -> dict:
+    """Host reads per step (``benchmarks/host_syncs.py``, tiny model): the CPU-side count of
+    reads of device tensors beside what ``torch.cuda.set_sync_debug_mode`` reports, per row
+    the median over the normal unlogged steps and the most of any step."""
+    from benchmarks.gpu_check import SYNC_CONFIGS, SYNC_SHAPE
+
+    rows = []
+    for name in args.sync_configs:
+        path = out / f"syncs_{len(rows)}.json"
+        cmd = [sys.executable, str(REPO / "benchmarks" / "host_syncs.py"), "--json", str(path),
+               "--", *SYNC_SHAPE, *SYNC_CONFIGS[name], "--run-dir", str(out / f"syncs_{len(rows)}")]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        row = {"config": name}
+        if proc.returncode != 0:
+            row["error"] = (proc.stdout[-800:] + proc.stderr[-1500:]).strip()
+        else:
+            row.update(sync_counts(json.loads(path.read_text())))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return {"rows": rows}
+
+
+def sync_counts(steps: list[dict]) -> dict:
+    """Median and most host reads (and CUDA syncs, on a GPU) per step of a host_syncs run."""
+    quiet = [s for s in steps if not s["logged"]] or steps
+    row = {"reads / step": statistics.median(s["count"] for s in quiet),
+           "most reads": max(s["count"] for s in steps)}
+    if "cuda_syncs" in steps[0]:
+        row.update({"CUDA syncs / step": statistics.median(s["cuda_syncs"] for s in quiet),
+                    "most CUDA syncs": max(s["cuda_syncs"] for s in steps)})
+    return row
+
+
 def pytest(args, out) -> dict:
     """``pytest`` with CUDA visible; each test's outcome is printed (``-v``), so a run cut off
     at ``--pytest-timeout`` still names the tests that failed before."""
@@ -244,7 +277,7 @@ def markdown(results: dict) -> str:
     lines = ["## GPU check", ""]
     env_ = results.get("env", {})
     lines += [" | ".join(f"{k} {v}" for k, v in env_.items()), ""]
-    for section in ("gemm", "train", "formats", "stquant"):
+    for section in ("gemm", "train", "formats", "stquant", "syncs"):
         rows = results.get(section, {}).get("rows")
         if not rows:
             lines += [f"{section}: {results.get(section, {}).get('error', 'not run')}", ""]

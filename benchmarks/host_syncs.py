@@ -30,8 +30,9 @@ Limits: a tensor made on the device from host data without a parameter (``torch.
 device=...)`` filled from a host array) counts as a host tensor until a collective or a
 parameter touches it; the formats' amax check reads on CPU only (on CUDA the Triton kernels
 run, or the check is skipped), so those reads are listed apart (:data:`EXEMPT`); only the
-main thread is seen (not a checkpoint writer's). On a GPU, ``torch.cuda.set_sync_debug_mode``
-is the direct check.
+main thread is seen (not a checkpoint writer's). On a GPU the script also counts, per step,
+the synchronising CUDA calls ``torch.cuda.set_sync_debug_mode("warn")`` reports (the direct
+check; ``benchmarks/gpu_check.py --sections syncs``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import os
 import statistics
 import sys
 import threading
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -144,6 +146,9 @@ class SyncCounter(TorchDispatchMode):
         self._main = threading.main_thread()
         self._originals = {m: getattr(torch.Tensor, m) for m in SYNC_METHODS}
         self._inside = threading.local()  # in a wrapped method: its own ops are not reads
+        self.cuda_syncs: dict[int, int] | None = {} if torch.cuda.is_available() else None
+        """On a GPU: per step, the synchronising CUDA calls ``set_sync_debug_mode`` reports."""
+        self._warnings = warnings.catch_warnings()
 
     def record(self) -> None:
         if threading.current_thread() is not self._main or getattr(self._inside, "on", False):
@@ -169,12 +174,27 @@ class SyncCounter(TorchDispatchMode):
     def __enter__(self):
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, self._wrap(name, original))
+        if self.cuda_syncs is not None:  # the direct count, beside this mode's
+            self._warnings.__enter__()
+            warnings.simplefilter("always")
+            self._shown, warnings.showwarning = warnings.showwarning, self._on_warning
+            torch.cuda.set_sync_debug_mode("warn")
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, original)
+        if self.cuda_syncs is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
         return super().__exit__(*exc)
+
+    def _on_warning(self, message, *rest) -> None:
+        """``warnings.showwarning`` while counting: the sync warnings are counted, not shown."""
+        if "synchronizing CUDA" not in str(message):
+            self._shown(message, *rest)
+        elif threading.current_thread() is self._main:
+            self.cuda_syncs[self.step] = self.cuda_syncs.get(self.step, 0) + 1
 
     def _wrap(self, name: str, original):
         def method(tensor, *args, **kwargs):
@@ -207,7 +227,8 @@ class SyncCounter(TorchDispatchMode):
     def steps(self) -> list[dict]:
         return [{"step": s, "logged": logged, "count": sum(self.reads.get(s, {}).values()),
                  "sources": dict(self.reads.get(s, Counter()).most_common()),
-                 "exempt": dict(self.exempt.get(s, {}))}
+                 "exempt": dict(self.exempt.get(s, {})),
+                 **({} if self.cuda_syncs is None else {"cuda_syncs": self.cuda_syncs.get(s, 0)})}
                 for s, logged in sorted(self.logged.items())]
 
 
@@ -228,8 +249,10 @@ def count(train_args: list[str]) -> list[dict]:
 
 
 def summary(steps: list[dict]) -> str:
-    lines = ["step  logged  host reads  not counted"]
+    cuda = bool(steps) and "cuda_syncs" in steps[0]
+    lines = ["step  logged  host reads" + ("  CUDA syncs" if cuda else "") + "  not counted"]
     lines += [f"{s['step']:>4}  {'yes' if s['logged'] else 'no':>6}  {s['count']:>10}  "
+              + (f"{s['cuda_syncs']:>10}  " if cuda else "")
               + ", ".join(f"{k} {n}" for k, n in s["exempt"].items()) for s in steps]
     quiet = [s for s in steps if not s["logged"]]
     if quiet:

@@ -1,6 +1,7 @@
 """``benchmarks/gpu_check.py`` on a machine without a GPU: ``--help`` explains itself, a run
 says in one line that it needs a GPU (exit 2), and its markdown report renders results."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -95,3 +96,18 @@ def test_profile_cost_per_batch_and_its_last_batch(tmp_path):
     assert gpu_sections._profile_cost(tmp_path, records, timed) == {
         "profile s": 2.0, "profile batch x step": 4.0, "last profile batch x step": 2.0}
     assert gpu_sections._profile_cost(tmp_path, [{"step": 1}], timed) == {}
+
+
+def test_the_syncs_section_runs_host_syncs_and_counts_per_step(tmp_path):
+    """On CPU the section runs as on a GPU, without the CUDA column: uniform:fp8 reads the
+    host 3 times a step (loss, non-finite flag, gradient norm)."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import gpu_sections
+
+    result = gpu_sections.syncs(argparse.Namespace(sync_configs=["uniform:fp8"]), tmp_path)
+    assert result == {"rows": [{"config": "uniform:fp8", "reads / step": 3, "most reads": 3}]}
+    on_gpu = [{"step": 1, "logged": True, "count": 9, "cuda_syncs": 12},
+              {"step": 2, "logged": False, "count": 3, "cuda_syncs": 4},
+              {"step": 3, "logged": False, "count": 5, "cuda_syncs": 6}]
+    assert gpu_sections.sync_counts(on_gpu) == {"reads / step": 4, "most reads": 9,
+                                                "CUDA syncs / step": 5, "most CUDA syncs": 12}
