@@ -105,7 +105,10 @@ def local_grads_finite(model: list) -> torch.Tensor:
     sums = [g.sum(dtype=torch.float32) for g in _grad_tensors(model)]
     if not sums:
         return torch.ones((), dtype=torch.bool, device=device())
-    return torch.isfinite(torch.stack(sums).sum())
+    verdict = torch.isfinite(torch.stack(sums).sum())
+    if hasattr(verdict, "full_tensor"):  # FSDP2's sharded gradients: a DTensor, made whole
+        verdict = verdict.full_tensor()
+    return verdict
 
 
 def _has_grad_scaler(optimizer) -> bool:
