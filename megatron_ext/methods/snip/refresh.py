@@ -188,13 +188,16 @@ def reduce_statistics(observers: dict[str, SiteObserver], args, candidates: dict
     sites = [site_id(layer, s) for layer in range(args.num_layers) for s in SITES]
     cols = _layout(candidates)
     zero = torch.zeros((), dtype=torch.float64, device=device())
-    values = [zero] * (len(sites) * len(cols))  # 0-dim float64, on the device
+    values = [zero] * (len(sites) * len(cols))  # 0-dim float64 scalars, on the device
     for i, sid in enumerate(sites):
-        obs = observers.get(sid)
+        if sid not in observers:  # a site of another pipeline stage: zeros
+            continue
+        stats = observers[sid].stats
         for c, (key, fmt) in enumerate(cols):
-            value = 0.0 if obs is None else obs.stats[key] if fmt is None else obs.stats[key][fmt]
+            value = stats[key] if fmt is None else stats[key][fmt]
             if torch.is_tensor(value):  # a statistic no pass added to stays the float 0.0
-                values[i * len(cols) + c] = value
+                # (A²'s sum is made where A² is kept: on the host with --snip-offload host)
+                values[i * len(cols) + c] = value.to(zero.device)
     flat = torch.stack(values).view(len(sites), len(cols))
     dist.all_reduce(flat)
     flat = flat.cpu()  # the refresh's one read of its statistics

@@ -10,7 +10,8 @@ applied as the GEMM that reads ``t`` applies it (blocks along its reduction axis
 
 Every statistic is a **sum of squares**, kept per site as a float64 scalar on the device
 (per candidate format where it involves an error; read to the host once per refresh), so
-ranks add their parts with one all-reduce of ``sites x stats`` scalars (the error GEMMs below are completed over TP / DP first).
+ranks add their parts with one all-reduce of ``sites x stats`` scalars (the error GEMMs
+below are completed over TP / DP first).
 Row-wise products (SNIP §6.3 "row-wise formulation") are taken per row (token ``m`` of x /
 dy / dx, output channel ``n`` of w / dw), which needs each row's norm complete: under
 tensor parallelism a row split across TP ranks (row-parallel ``x``, ``dx``, ``w``) is
