@@ -222,9 +222,10 @@ def syncs(args, out) -> dict:
 
     rows = []
     for name in args.sync_configs:
-        path = out / f"syncs_{len(rows)}.json"
+        run_dir = out / f"syncs_{len(rows)}"
+        path = run_dir.with_suffix(".json")
         cmd = [sys.executable, str(REPO / "benchmarks" / "host_syncs.py"), "--json", str(path),
-               "--", *SYNC_SHAPE, *SYNC_CONFIGS[name], "--run-dir", str(out / f"syncs_{len(rows)}")]
+               "--", *SYNC_SHAPE, *SYNC_CONFIGS[name], "--run-dir", str(run_dir)]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
         row = {"config": name}
         if proc.returncode != 0:
