@@ -52,8 +52,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
+import gpu_shadow  # noqa: E402
+from gpu_shadow import MIXED, mark  # noqa: E402
 from megatron_ext.extension import Extension  # noqa: E402
 
 aten = torch.ops.aten
@@ -65,20 +67,20 @@ data-dependent size (``nonzero``, ``masked_select``, ``unique``, ``repeat_interl
 without ``output_size``). A boolean-mask index is ``index.Tensor`` with a bool index."""
 SYNC_METHODS = ("tolist", "numpy", "cpu")
 """``Tensor`` methods that copy to the host without a dispatched op."""
-ON_DEVICE = "_host_syncs_on_device"
-"""The attribute that marks a tensor as one a GPU run keeps on the device."""
-OUR_CODE = (str(REPO / "megatron_ext"), f"{Path('megatron') / 'core'}")
 PASSED_THROUGH = str(REPO / "megatron_ext" / "compat" / "cpu.py")
 """The CPU patch's function mode sees every call: its caller is charged instead."""
-AMAX = str(REPO / "megatron_ext" / "formats" / "amax.py")
-EXEMPT = {"CPU only": "the formats' amax check, which reads on the host only where that is "
-                      "free (formats/amax.py: reads_host is False for CUDA tensors)"}
+CPU_ONLY = {str(REPO / "megatron_ext" / p) for p in ("formats/amax.py",
+                                                      "methods/stquant/cpu_step.py")}
+"""Code a GPU run does not take: the formats' amax check reads on the host only where that
+is free (``reads_host`` is False for CUDA tensors); STQuant's compiled CPU step (a Triton
+kernel on CUDA)."""
+EXEMPT = {"CPU only": "reads, uploads or mixed-device ops under CPU_ONLY's files"}
 """Reads listed apart and not counted, by why."""
 
 
 def _exemption(frame) -> str | None:
     """The :data:`EXEMPT` key that covers a read made under ``frame``, if any."""
-    return "CPU only" if frame.f_code.co_filename == AMAX else None
+    return "CPU only" if frame.f_code.co_filename in CPU_ONLY else None
 
 
 def _source() -> tuple[str, str | None]:
@@ -88,7 +90,7 @@ def _source() -> tuple[str, str | None]:
     while frame is not None:
         name = frame.f_code.co_filename
         exempt = exempt or _exemption(frame)
-        if source == "elsewhere" and any(p in name for p in OUR_CODE) and name != PASSED_THROUGH:
+        if source == "elsewhere" and any(p in name for p in gpu_shadow.OUR_CODE) and name != PASSED_THROUGH:
             short = name.split("site-packages/")[-1].replace(str(REPO) + "/", "")
             source = f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
@@ -96,13 +98,7 @@ def _source() -> tuple[str, str | None]:
 
 
 def on_device(t) -> bool:
-    return isinstance(t, torch.Tensor) and getattr(t, ON_DEVICE, False)
-
-
-def mark(tensors) -> None:
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            setattr(t, ON_DEVICE, True)
+    return gpu_shadow.placement(t) is True
 
 
 def mark_model(chunks: list) -> None:
@@ -135,46 +131,56 @@ def _written(func, args, kwargs) -> list:
 
 class SyncCounter(TorchDispatchMode):
     """Counts the main thread's host reads of device tensors by step (:meth:`extension`
-    marks the steps and the parameters)."""
+    marks the steps and the parameters); on CPU also the blocking uploads and the ops a GPU
+    run would refuse for mixing devices (:mod:`gpu_shadow`)."""
 
     def __init__(self):
         super().__init__()
         self.step = 0  # 0: set-up, before the first step's hooks
         self.reads: dict[int, Counter] = {}  # step -> source -> counted reads
+        self.uploads: dict[int, Counter] = {}  # step -> source -> blocking copies to the GPU
         self.exempt: dict[int, Counter] = {}  # step -> EXEMPT key -> reads
+        self.mixed: dict[int, Counter] = {}  # step -> "source: op(shapes)" -> times
         self.logged: dict[int, bool] = {}
         self._main = threading.main_thread()
         self._originals = {m: getattr(torch.Tensor, m) for m in SYNC_METHODS}
         self._inside = threading.local()  # in a wrapped method: its own ops are not reads
-        self.cuda_syncs: dict[int, int] | None = {} if torch.cuda.is_available() else None
+        cuda = torch.cuda.is_available()
+        self.cuda_syncs: dict[int, int] | None = {} if cuda else None
         """On a GPU: per step, the synchronising CUDA calls ``set_sync_debug_mode`` reports."""
         self._warnings = warnings.catch_warnings()
+        self._shadow = None if cuda else gpu_shadow.Shadow(self.record)
 
-    def record(self) -> None:
+    def record(self, kind: str = "read", what: str = "") -> None:
         if threading.current_thread() is not self._main or getattr(self._inside, "on", False):
             return
         source, exempt = _source()
         if exempt:
             self.exempt.setdefault(self.step, Counter())[exempt] += 1
         else:
-            self.reads.setdefault(self.step, Counter())[source] += 1
+            table = {"read": self.reads, "upload": self.uploads, MIXED: self.mixed}[kind]
+            table.setdefault(self.step, Counter())[source + what] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = pytree.tree_leaves((args, kwargs))
-        device_in = func.namespace == "c10d" or any(map(on_device, inputs))
-        if device_in and _is_sync(func, args, kwargs):
-            self.record()
+        kind, where = gpu_shadow.check(func, args, kwargs)
+        if kind == MIXED:
+            self.record(MIXED, f": {func.name()} of {gpu_shadow.describe(args, kwargs)}")
+        elif kind or where and _is_sync(func, args, kwargs):
+            self.record(kind or "read")
         out = func(*args, **kwargs)
-        if device_in:
-            mark(pytree.tree_leaves(out))
-            mark(inputs if func.namespace == "c10d" else _written(func, args, kwargs))
+        if where is not None:
+            mark(pytree.tree_leaves(out), where)
+            mark(_written(func, args, kwargs) if func.namespace != "c10d" else
+                 [t for t in pytree.tree_leaves(args) if gpu_shadow.placement(t) is None], where)
         return out
 
     def __enter__(self):
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, self._wrap(name, original))
-        if self.cuda_syncs is not None:  # the direct count, beside this mode's
+        if self._shadow is not None:
+            self._shadow.__enter__()
+        else:  # the direct count, beside this mode's
             self._warnings.__enter__()
             warnings.simplefilter("always")
             self._shown, warnings.showwarning = warnings.showwarning, self._on_warning
@@ -184,7 +190,9 @@ class SyncCounter(TorchDispatchMode):
     def __exit__(self, *exc):
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, original)
-        if self.cuda_syncs is not None:
+        if self._shadow is not None:
+            self._shadow.__exit__(*exc)
+        else:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
         return super().__exit__(*exc)
@@ -205,7 +213,7 @@ class SyncCounter(TorchDispatchMode):
             try:
                 if name == "cpu":  # a host copy, as on a GPU (on CPU: the tensor itself)
                     tensor = tensor.detach().clone()
-                    setattr(tensor, ON_DEVICE, False)
+                    mark([tensor], False)
                 return original(tensor, *args, **kwargs)
             finally:
                 self._inside.on = False
@@ -225,17 +233,24 @@ class SyncCounter(TorchDispatchMode):
                          before_step=before, on_step=after)
 
     def steps(self) -> list[dict]:
+        def per_step(table, s):
+            return dict(table.get(s, Counter()).most_common())
+
         return [{"step": s, "logged": logged, "count": sum(self.reads.get(s, {}).values()),
-                 "sources": dict(self.reads.get(s, Counter()).most_common()),
-                 "exempt": dict(self.exempt.get(s, {})),
+                 "sources": per_step(self.reads, s), "exempt": per_step(self.exempt, s),
+                 **({} if self._shadow is None else {
+                     "uploads": sum(self.uploads.get(s, {}).values()),
+                     "upload_sources": per_step(self.uploads, s),
+                     "mixed": per_step(self.mixed, s)}),
                  **({} if self.cuda_syncs is None else {"cuda_syncs": self.cuda_syncs.get(s, 0)})}
                 for s, logged in sorted(self.logged.items())]
 
 
-def count(train_args: list[str]) -> list[dict]:
-    """Train with ``train_args`` in this process under a :class:`SyncCounter`; per step:
-    ``{"step", "logged", "count", "sources": {source: reads}, "exempt": {EXEMPT key:
-    reads}}``."""
+def count(train_args: list[str]) -> SyncCounter:
+    """Train with ``train_args`` in this process under a :class:`SyncCounter` (its
+    :meth:`~SyncCounter.steps` give per step ``{"step", "logged", "count", "sources":
+    {source: reads}, "exempt": {EXEMPT key: reads}}``, on CPU also ``uploads``,
+    ``upload_sources`` and ``mixed``)."""
     from megatron_ext.defaults import default_extensions
     from megatron_ext.training.pretrain import main
 
@@ -245,13 +260,15 @@ def count(train_args: list[str]) -> list[dict]:
         status = main("llama", extensions=[counter.extension(), *default_extensions()])
     if status:
         raise SystemExit(f"training failed (exit {status})")
-    return counter.steps()
+    return counter
 
 
 def summary(steps: list[dict]) -> str:
-    cuda = bool(steps) and "cuda_syncs" in steps[0]
-    lines = ["step  logged  host reads" + ("  CUDA syncs" if cuda else "") + "  not counted"]
+    cuda, shadow = (bool(steps) and key in steps[0] for key in ("cuda_syncs", "uploads"))
+    lines = ["step  logged  host reads" + ("     uploads" if shadow else "")
+             + ("  CUDA syncs" if cuda else "") + "  not counted"]
     lines += [f"{s['step']:>4}  {'yes' if s['logged'] else 'no':>6}  {s['count']:>10}  "
+              + (f"{s['uploads']:>10}  " if shadow else "")
               + (f"{s['cuda_syncs']:>10}  " if cuda else "")
               + ", ".join(f"{k} {n}" for k, n in s["exempt"].items()) for s in steps]
     quiet = [s for s in steps if not s["logged"]]
@@ -261,7 +278,17 @@ def summary(steps: list[dict]) -> str:
                      f"(median over the {len(quiet)} unlogged steps: "
                      f"{statistics.median(s['count'] for s in quiet):g}), from")
         lines += [f"  {n:>4}  {source}" for source, n in median["sources"].items()]
+        lines += [f"  {n:>4}  {source} (upload)"
+                  for source, n in median.get("upload_sources", {}).items()]
     return "\n".join(lines)
+
+
+def mixed_report(counter: SyncCounter) -> str:
+    """The ops a GPU run would refuse, by step (0: set-up), or "" if none."""
+    lines = [f"step {step}: {n} x {what}" for step, table in sorted(counter.mixed.items())
+             for what, n in table.items()]
+    return "\n".join([f"{len(lines)} op(s) would mix host and device tensors on a GPU:",
+                      *lines]) if lines else ""
 
 
 def main(argv=None) -> int:
@@ -272,12 +299,15 @@ def main(argv=None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)  # torchrun drops the "--"
     args, rest = p.parse_known_args(argv[:cut])
     train_args = rest + argv[cut + 1:]  # pretrain_llama.py's flags (CPU; a --run-dir)
-    steps = count(train_args)
+    counter = count(train_args)
+    steps, mixed = counter.steps(), mixed_report(counter)
     if int(os.environ.get("RANK", "0")) == 0:
         print(summary(steps))
         if args.json:
             args.json.write_text(json.dumps(steps, indent=1) + "\n", encoding="utf-8")
-    return 0
+    if mixed:
+        print(mixed, file=sys.stderr)
+    return 1 if mixed else 0
 
 
 if __name__ == "__main__":

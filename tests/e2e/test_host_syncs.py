@@ -1,5 +1,6 @@
 """benchmarks/host_syncs.py: its counter against hand-made reads (a device tensor's ``item``
-and ``.cpu()`` count, a host tensor's do not), and the composed run (SNIP + GNMR + STQuant)
+and ``.cpu()`` count, a host tensor's do not), its GPU shadow (``gpu_shadow.py``) against
+hand-made mixed-device ops and uploads, and the composed run (SNIP + GNMR + STQuant)
 reading the host a handful of times per step, not per site: a refresh read 879 times on
 this model when each statistic was a ``float()``, the formats' amax check 144 per step."""
 
@@ -12,12 +13,15 @@ import torch
 from pretrain_runner import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_shadow  # noqa: E402
 import host_syncs  # noqa: E402
 
 TRAIN = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length",
          "64", "--lr-warmup-iters", "1", "--eval-iters", "0", "--train-iters", "6",
          "--log-interval", "100", "--no-save", "--precision", "snip", "--snip-start", "3",
-         "--snip-interval", "0", "--gnmr", "--optimizer", "stquant-adamw"]
+         "--snip-interval", "0", "--snip-offload", "host", "--gnmr", "--optimizer",
+         "stquant-adamw"]
+"""SNIP's refresh keeps its tensors on the host, as on a GPU (``--snip-offload auto``)."""
 
 
 def test_counts_reads_of_device_tensors_only():
@@ -54,3 +58,38 @@ def test_composed_run_reads_the_host_per_step_not_per_site(tmp_path):
     # site and micro-batch was 704 reads before they stayed on the device)
     assert steps[4]["exempt"]["CPU only"] > 100  # the amax checks are seen, and set apart
     assert "megatron_ext/training/loop.py" in " ".join(steps[2]["sources"])
+    # as a GPU run places them: no op mixes host and device tensors (the script exits 1
+    # otherwise); the refresh's host copies are made and brought back without a wait (a
+    # blocking copy per tensor was 155 uploads and ~140 reads here), megatron's grad norm
+    # uploads its flag each step
+    assert not any(s["mixed"] for s in steps.values())
+    assert steps[4]["uploads"] <= 8 and steps[2]["uploads"] <= 2, steps[4]["upload_sources"]
+
+
+def test_the_shadow_places_tensors_as_a_gpu_run_would(monkeypatch):
+    """On CPU: ops a GPU run would refuse for mixing host and device tensors are reported
+    (a 0-dim host tensor in a pointwise op is allowed, as CUDA allows it), blocking copies of
+    host data to the device count as uploads, a non-blocking one does not."""
+    monkeypatch.setattr(gpu_shadow, "OUR_CODE", (*gpu_shadow.OUR_CODE, __file__))
+    counter = host_syncs.SyncCounter()
+    weight = torch.randn(4, 4)
+    host_syncs.mark([weight])
+    with counter:
+        scale = torch.tensor(2.0)  # a host scalar
+        assert gpu_shadow.placement(weight * scale) is True  # allowed: 0-dim, pointwise
+        torch.stack([weight.sum(), scale])  # mixed 1
+        weight + torch.ones(4, 4)  # mixed 2
+        made = torch.zeros(4, device=weight.device)  # on the device, no copy
+        assert gpu_shadow.placement(made + weight[0]) is True
+        torch.tensor([1.0, 2.0], device=weight.device)  # upload 1
+        host = torch.arange(4.0)
+        assert gpu_shadow.placement(host) is False
+        moved = host.to(weight.device)  # upload 2
+        assert gpu_shadow.placement(moved) is True and gpu_shadow.placement(host) is False
+        host.to(weight.device, non_blocking=True)  # not a wait
+        back = weight.to("cpu")  # a read
+        assert gpu_shadow.placement(back) is False and gpu_shadow.placement(weight) is True
+    mixed = counter.mixed[0]
+    assert sum(mixed.values()) == 2, mixed
+    assert any("aten::stack of device (), host ()" in what for what in mixed), mixed
+    assert sum(counter.uploads[0].values()) == 2 and sum(counter.reads[0].values()) == 1

@@ -25,8 +25,8 @@ the GNMR extension calls it from a wrapper around ``step`` (``Extension.wrap_opt
 
 **How.** Per site, the owned part's squares are summed in float64 on the device (a float64
 copy of the part, so every element is squared exactly and the sum over shards equals the
-one-process sum to ~1e-16 relative, whatever the layout); the per-site sums come to the host
-in one transfer, are placed in their unit's slot (:func:`.units.local_sq_vector`) and
+one-process sum to ~1e-16 relative, whatever the layout); the per-site sums are added into
+their unit's slot on the device (:func:`.units.local_sq_vector`) and
 :meth:`NormReader.reduce` sums that ``U``-long float64 vector over the whole world in one
 all-reduce: every rank then holds every unit's ``n²`` (the PP stages' slots gathered).
 """
@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ext.methods.gnmr.units import local_sq_vector, norms_from_sq, owns_dp_copy
+from megatron_ext.methods.gnmr.units import (local_sq_vector, norms_from_sq, owns_dp_copy,
+                                             unit_slots)
 from megatron_ext.precision.layers import quantized_linears
 from megatron_ext.training.distributed import device
 
@@ -102,6 +103,9 @@ class NormReader:
         self.parts: list[tuple[str, torch.Tensor]] | None = None
         """:func:`owned_parts`, found at the first :meth:`measure` (views into the DDP
         gradient buffers, which live as long as the model)."""
+        self.slots: tuple[list[str], torch.Tensor] | None = None
+        """The site ids of the last :meth:`reduce` and their :func:`.units.unit_slots`, on
+        the device."""
 
     def measure(self, model: list) -> tuple[list[str], torch.Tensor]:
         """Site ids and the float64 sums of squares of their owned parts (on the device, no
@@ -110,14 +114,15 @@ class NormReader:
             self.parts = owned_parts(model)
         sums = [_square_sum(part) for _, part in self.parts]
         return [sid for sid, _ in self.parts], \
-            torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
+            torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device())
 
     def reduce(self, measured: tuple[list[str], torch.Tensor]) -> np.ndarray:
         """Every unit's norm, identical on every rank: one float64 all-reduce (sum) of the
-        ``U``-long vector of this rank's squares over the world. Collective."""
+        ``U``-long vector of this rank's squares over the world, made on the device (one
+        read, of the result). Collective."""
         sids, sums = measured
-        local = local_sq_vector(dict(zip(sids, sums.cpu().tolist())), self.units,
-                                self.granularity)
-        vector = torch.from_numpy(local).to(device())
+        if self.slots is None or self.slots[0] != sids:
+            self.slots = (sids, unit_slots(sids, self.units, self.granularity).to(sums.device))
+        vector = local_sq_vector(sums, self.slots[1])
         dist.all_reduce(vector)
         return norms_from_sq(vector.cpu().numpy())

@@ -34,9 +34,10 @@ over shards equals the single-process norm to ~1e-16 relative.
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
+import torch
 
 from megatron_ext.sites import SITES, all_site_ids, parse_site_id, site_id
 
@@ -87,19 +88,32 @@ def owns_dp_copy(dp_rank: int, sharded_over_dp: bool) -> bool:
     return sharded_over_dp or dp_rank == 0
 
 
-def local_sq_vector(local_sq: Mapping[str, float], units: Sequence[str],
-                    granularity: str) -> np.ndarray:
-    """The ``len(units)`` float64 vector this rank contributes to the all-reduce.
-
-    ``local_sq`` maps site ids to the sum of squares of the gradient elements of that site's
-    weight this rank owns (sites this rank does not hold are simply absent)."""
+def unit_slots(sids: Sequence[str], units: Sequence[str], granularity: str) -> torch.Tensor:
+    """Where each of a rank's sites adds in the ``len(units)`` vector: a ``[K, U]`` long
+    tensor whose row ``k`` holds, for every unit, the index in ``sids`` of its ``k``-th site
+    here, or ``len(sids)`` (a zero) where it has fewer (sites of other ranks are absent)."""
     index = {unit: i for i, unit in enumerate(units)}
-    out = np.zeros(len(units), dtype=np.float64)
-    for sid, value in local_sq.items():
+    members: list[list[int]] = [[] for _ in units]
+    for i, sid in enumerate(sids):
         unit = unit_of_site(sid, granularity)
         if unit not in index:
             raise ValueError(f"site {sid} is in no GNMR unit of this run")
-        out[index[unit]] += float(value)
+        members[index[unit]].append(i)
+    depth = max(map(len, members), default=0)
+    rows = [[m[k] if k < len(m) else len(sids) for m in members] for k in range(depth)]
+    return torch.tensor(rows, dtype=torch.long).view(depth, len(units))
+
+
+def local_sq_vector(local_sq: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The float64 vector this rank contributes to the all-reduce: ``local_sq[i]``, the sum
+    of squares of the gradient elements of site ``i``'s weight this rank owns, added into its
+    unit's slot (:func:`unit_slots`, on ``local_sq``'s device). Each unit adds its sites one
+    after another from 0.0, in site order, on the device: the float64 sum a loop over the
+    sites gives, with no copy to the host and back."""
+    padded = torch.cat([local_sq, local_sq.new_zeros(1)])
+    out = local_sq.new_zeros(slots.shape[1])
+    for row in slots:
+        out = out + padded[row]
     return out
 
 

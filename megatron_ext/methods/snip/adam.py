@@ -45,7 +45,8 @@ def adam_terms(optimizer, site_params: dict, dtype=torch.float64,
     ``site_params`` maps each local site id to its model parameter (the weight). ``A²`` is
     computed in float64 one site at a time (one site's ``m, v, g`` in float64 at most) and
     returned in ``dtype`` (float32 holds half as much, rounded to 2^-24 relative), put in
-    ``store`` (:mod:`.tensor_store`; None: kept on the weight's device) as soon as it is made.
+    ``store`` (:mod:`.tensor_store`; None: kept on the weight's device) as soon as it is made,
+    with its sum (``Stored.total``, made on the weight's device).
     """
     site_of = {id(p): sid for sid, p in site_params.items()}
     found: dict[str, list] = {}
@@ -67,7 +68,8 @@ def adam_terms(optimizer, site_params: dict, dtype=torch.float64,
     sites = sorted(site_params) if sharded else list(found)  # sharded: all ranks, same order
     store = store or TensorStore()
     return {sid: store.put(a_squared(_mvg(site_params[sid], found.get(sid, []), sharded),
-                                     hyper["beta1"], hyper["beta2"], hyper["eps"]).to(dtype))
+                                     hyper["beta1"], hyper["beta2"], hyper["eps"]).to(dtype),
+                           total=True)
             for sid in sites}, hyper
 
 

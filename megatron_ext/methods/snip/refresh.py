@@ -152,7 +152,7 @@ class WeightSnapshot:
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 current = self.store.put(p.detach(), copy=True)
-                p.copy_(self.saved[i].get())
+                p.copy_(self.saved[i].get(p.device))
                 self.saved[i].free()
                 self.saved[i] = current
 

@@ -351,7 +351,9 @@ class SiteObserver(ProbeNoise):
         passes, each error is weighted as soon as its site's pass is complete and never kept;
         given after, the kept ones now."""
         self._a2 = a2 if isinstance(a2, Stored) else Stored(a2)
-        self.stats["AA"] += on_device(self._a2.get().double().sum()) / self.dp
+        total = self._a2.total  # made where A² was (not on the host: no wait for its copy)
+        self.stats["AA"] += (on_device(self._a2.get().double().sum()) if total is None
+                             else total) / self.dp
         self._weigh()
 
     def _weigh(self) -> None:

@@ -55,18 +55,32 @@ class Stored:
     """The tensor itself (a store in memory); None on disk or once freed."""
     path: str | None = None
     """Its file (a store on disk); None in memory or once freed."""
+    total: torch.Tensor | None = None
+    """The float64 sum of its elements, made where it was put (``put(total=True)``)."""
+    host_copy: bool = False
+    """Whether :attr:`tensor` is a host copy made by :meth:`TensorStore.put` (``host``)."""
+    ready: object = None
+    """A host copy of a CUDA tensor: the CUDA event recorded after its copy was queued
+    (:meth:`TensorStore.put` does not wait for it); None otherwise."""
 
     def get(self, device: torch.device | None = None) -> torch.Tensor:
-        """The tensor on ``device`` (None: where it is kept; from disk: where it was put)."""
-        if self.path is None:
-            return self.tensor.to(device)
-        return torch.load(self.path, map_location=device, weights_only=True)
+        """The tensor on ``device`` (None: where it is kept; from disk: where it was put).
+        A host copy goes back to a device without a wait (queued after the copy out, on the
+        same stream); the host itself waits for the copy out before it reads."""
+        if self.path is not None:
+            return torch.load(self.path, map_location=device, weights_only=True)
+        if device is not None and (self.host_copy or torch.device(device) != self.tensor.device):
+            return self.tensor.to(device, non_blocking=self.host_copy)
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tensor
 
     def free(self) -> None:
         """Drop the tensor (its file too); :meth:`get` then fails."""
         if self.path is not None:
             os.remove(self.path)
-        self.tensor = self.path = None
+        self.tensor = self.path = self.total = self.ready = None
+        self.host_copy = False
 
 
 class TensorStore:
@@ -91,18 +105,22 @@ class TensorStore:
             return cls(folder=tempfile.mkdtemp(prefix="snip_offload_", dir=parent))
         return cls(torch.device("cpu") if offload == "host" else None)
 
-    def put(self, tensor: torch.Tensor, copy: bool = False) -> Stored:
-        """Keep ``tensor`` (in memory: moved to :attr:`device`, a new copy with ``copy``
-        even where it already is; on disk: always a copy, of its elements only)."""
+    def put(self, tensor: torch.Tensor, copy: bool = False, total: bool = False) -> Stored:
+        """Keep ``tensor`` (``none``: itself, a new copy with ``copy``; ``host`` and
+        ``disk``: always a copy, of its elements only); with
+        ``total``, its float64 sum is made first, where it is (:attr:`Stored.total`)."""
+        summed = on_device(tensor.double().sum()) if total else None
         if self.folder is None:
-            return Stored(tensor.to(self.device, copy=copy))
+            if self.device is None:
+                return Stored(tensor.clone() if copy else tensor, total=summed)
+            return _host_copy(tensor, summed)
         path = os.path.join(self.folder, f"{self._files}.pt")
         self._files += 1
         tensor = tensor.detach()
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()  # a view: torch.save would write its whole storage
         torch.save(tensor, path)
-        return Stored(path=path)
+        return Stored(path=path, total=summed)
 
     def close(self) -> None:
         """Remove the folder and every file in it (in memory: nothing to do)."""
@@ -115,3 +133,19 @@ class TensorStore:
     def __exit__(self, *exc) -> None:
         """Leaving a ``with`` block, normally or by an exception: :meth:`close`."""
         self.close()
+
+
+def _host_copy(tensor: torch.Tensor, total: torch.Tensor | None) -> Stored:
+    """A host copy of ``tensor`` that the host does not wait for: from a CUDA tensor into
+    pinned memory, queued on the current stream (:attr:`Stored.ready` marks its end; a
+    blocking copy per tensor was a synchronisation each, ~270 per refresh of the tiny
+    model)."""
+    cuda = tensor.is_cuda
+    host = torch.empty_like(tensor, device="cpu", pin_memory=cuda)
+    host.copy_(tensor.detach(), non_blocking=True)
+    ready = None
+    if cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return Stored(host, total=total, host_copy=True, ready=ready)
+

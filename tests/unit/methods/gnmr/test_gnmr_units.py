@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_ext.methods.gnmr.decisions import GnmrConfig, GnmrController
 from megatron_ext.methods.gnmr.units import (
-    local_sq_vector, norms_from_sq, owns_dp_copy, unit_ids, unit_layer, unit_of_site, unit_sites)
+    local_sq_vector, norms_from_sq, owns_dp_copy, unit_ids, unit_layer, unit_of_site, unit_sites,
+    unit_slots)
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.sites import SITES, all_site_ids, parse_site_id
 
@@ -74,7 +76,7 @@ def test_sharded_reduction_equals_single_process(granularity, dist_opt):
     units = unit_ids(LAYERS, granularity)
     g = grads(rng)
     single = np.array([np.sqrt(sum(np.sum(g[s] ** 2) for s in unit_sites(u))) for u in units])
-    vectors = [local_sq_vector(rank_contributions(g, pp, tp, dp, dist_opt), units, granularity)
+    vectors = [_vector(rank_contributions(g, pp, tp, dp, dist_opt), units, granularity)
                for pp in range(PP) for tp in range(TP) for dp in range(DP)]
     reduced = norms_from_sq(np.sum(vectors, axis=0))  # the all-reduce (sum)
     np.testing.assert_allclose(reduced, single, rtol=1e-13)
@@ -91,7 +93,7 @@ def test_sharded_and_single_norms_take_the_same_decisions():
     for t in range(1, 41):
         g = grads(np.random.default_rng(1000 + t))
         single = [np.sqrt(sum(np.sum(g[s] ** 2) for s in unit_sites(u))) for u in units]
-        vectors = [local_sq_vector(rank_contributions(g, pp, tp, dp, True), units, "block")
+        vectors = [_vector(rank_contributions(g, pp, tp, dp, True), units, "block")
                    for pp in range(PP) for tp in range(TP) for dp in range(DP)]
         da, db = a.step(t, single), b.step(t, norms_from_sq(np.sum(vectors, axis=0)))
         assert da.promoted == db.promoted
@@ -99,8 +101,30 @@ def test_sharded_and_single_norms_take_the_same_decisions():
     assert promoted > 0
 
 
+def _vector(local_sq: dict, units, granularity) -> np.ndarray:
+    sids = list(local_sq)
+    sums = torch.tensor([local_sq[s] for s in sids], dtype=torch.float64)
+    return local_sq_vector(sums, unit_slots(sids, units, granularity)).numpy()
+
+
 def test_local_vector_rejects_foreign_sites():
     with pytest.raises(ValueError, match="no GNMR unit"):
-        local_sq_vector({"L9.fc1": 1.0}, unit_ids(2, "block"), "block")
-    vec = local_sq_vector({"L1.fc1": 2.0, "L1.qkv": 3.0}, unit_ids(2, "block"), "block")
+        unit_slots(["L9.fc1"], unit_ids(2, "block"), "block")
+    vec = _vector({"L1.fc1": 2.0, "L1.qkv": 3.0}, unit_ids(2, "block"), "block")
     assert vec.tolist() == [0.0, 5.0] and vec.dtype == np.float64
+
+
+@pytest.mark.parametrize("granularity", ["block", "site"])
+def test_local_vector_is_the_sequential_sum_bit_for_bit(granularity):
+    """On the device, each unit adds its sites in site order from 0.0: the float64 sums of a
+    Python loop over the sites, to the bit (values over 30 orders of magnitude, shuffled)."""
+    rng = np.random.default_rng(3)
+    units = unit_ids(LAYERS, granularity)
+    sids = [s for u in units for s in unit_sites(u)]
+    sids = [sids[i] for i in rng.permutation(len(sids))[:-3]]  # some sites held elsewhere
+    values = rng.random(len(sids)) * 10.0 ** rng.integers(-15, 15, len(sids))
+    loop = np.zeros(len(units))
+    for sid, v in zip(sids, values):
+        loop[units.index(unit_of_site(sid, granularity))] += v
+    got = local_sq_vector(torch.from_numpy(values), unit_slots(sids, units, granularity))
+    assert got.numpy().tobytes() == loop.tobytes()
