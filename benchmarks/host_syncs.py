@@ -182,7 +182,7 @@ class SyncCounter(TorchDispatchMode):
             self._shadow.__enter__()
         else:  # the direct count, beside this mode's
             self._warnings.__enter__()
-            warnings.simplefilter("always")
+            warnings.filterwarnings("always", message=".*synchronizing CUDA")  # each one
             self._shown, warnings.showwarning = warnings.showwarning, self._on_warning
             torch.cuda.set_sync_debug_mode("warn")
         return super().__enter__()
@@ -211,8 +211,8 @@ class SyncCounter(TorchDispatchMode):
             self.record()
             self._inside.on = True
             try:
-                if name == "cpu":  # a host copy, as on a GPU (on CPU: the tensor itself)
-                    tensor = tensor.detach().clone()
+                if name == "cpu" and not tensor.is_cuda:  # on CPU: the tensor itself
+                    tensor = tensor.detach().clone()  # a host copy, as on a GPU
                     mark([tensor], False)
                 return original(tensor, *args, **kwargs)
             finally:

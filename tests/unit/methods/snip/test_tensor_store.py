@@ -83,3 +83,30 @@ def test_snapshot_from_disk_swaps_the_same_values_as_in_memory(tmp_path):
         assert all(torch.equal(p, a) for p, a in zip(model[0].parameters(), after))
         snap.store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_host_store_keeps_a_copy_and_sums_where_the_tensor_is():
+    """``host``: a copy (the original may change after ``put``), brought to any device, and
+    ``total`` the float64 sum made before the copy, as a tensor of the source's device."""
+    source = torch.rand(64, 48, dtype=torch.float32) * 1e3
+    held = TensorStore(torch.device("cpu")).put(source, total=True)
+    expected, total = source.clone(), source.double().sum()
+    source.add_(1)
+    assert held.host_copy and torch.equal(held.get(), expected)
+    assert torch.equal(held.get(torch.device("cpu")), expected)
+    assert held.total.dtype == torch.float64 and torch.equal(held.total, total)
+    held.free()
+    assert held.tensor is None and held.total is None and not held.host_copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_a_host_store_copies_cuda_tensors_to_pinned_memory_without_a_wait():
+    """A CUDA tensor goes to pinned host memory with the copy queued (an event marks its
+    end); it comes back to the GPU queued too, and the host reads it after the event."""
+    source = torch.randn(1024, 1024, device="cuda")
+    expected = source.clone()
+    held = TensorStore(torch.device("cpu")).put(source, total=True)
+    source.mul_(2)  # queued after the copy out: the store keeps the old values
+    assert held.tensor.is_pinned() and held.ready is not None and held.total.is_cuda
+    assert torch.equal(held.get(source.device), expected)
+    assert torch.equal(held.get(), expected.cpu())
