@@ -154,7 +154,20 @@ class DeviceProperty:
     def __get__(self, tensor, owner=None):
         if tensor is None:
             return self
-        return DEVICE if placement(tensor) else self.original.__get__(tensor, owner)
+        if placement(tensor):
+            return DEVICE
+        if getattr(type(tensor).__torch_function__, "__func__", None) is _PLAIN:
+            return self.original.__get__(tensor, owner)
+        # a subclass handling torch functions itself (a ShardedTensor) answers torch's own
+        # getter only, which finds it as torch.Tensor.device: put that back for the call
+        del torch.Tensor.device
+        try:
+            return tensor.device
+        finally:
+            torch.Tensor.device = self
+
+
+_PLAIN = torch.Tensor.__torch_function__.__func__
 
 
 MIXED = "mixed devices"

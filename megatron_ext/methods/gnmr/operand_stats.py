@@ -95,7 +95,9 @@ class OperandStatsCollector:
         self.sums: dict[str, torch.Tensor] = {}
         """Site id -> its ``(6, 4)`` float64 sums so far in this step."""
         self.generator: torch.Generator | None = None
-        """Draws the stochastic-rounding formats' randomness (seeded per step)."""
+        """Draws the stochastic-rounding formats' randomness (seeded per step), on the CPU:
+        a Triton quantizer takes one seed per call from it, which a CUDA generator would
+        make a host read each (on CPU tensors the same stream as before)."""
         self.seed = 0
         """This step's seed (the iteration)."""
 
@@ -116,8 +118,7 @@ class OperandStatsCollector:
         if fmt is None:
             return
         if self.generator is None:
-            self.generator = torch.Generator(device=t.device)
-            self.generator.manual_seed(self.seed)
+            self.generator = torch.Generator().manual_seed(self.seed)  # host-side draws
         with torch.no_grad():
             q = fake_quant(t.detach(), fmt, axis=axis, generator=self.generator)
             sums = operand_sums(t.detach(), q)
