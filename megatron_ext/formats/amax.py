@@ -39,8 +39,7 @@ def finite_amax(v: torch.Tensor, dims: tuple[int, ...], keepdim: bool = True):
         amax = torch.maximum(v.amax(dims, keepdim=keepdim), v.amin(dims, keepdim=keepdim).neg_())
         if math.isfinite(amax.max()):  # max propagates NaN
             return amax if amax.dtype == work else amax.to(work), False
-    a = v.abs()
-    a.masked_fill_(~torch.isfinite(a), 0)
+    a = v.abs().nan_to_num_(nan=0.0, posinf=0.0)  # |v| with NaN and inf as 0: two passes
     return a.amax(dims, keepdim=keepdim).to(work), True
 
 
@@ -58,8 +57,7 @@ def block_amax(v4: torch.Tensor, scratch: torch.Tensor):
         amax = _reduce_blocks(a)
         if math.isfinite(amax.max()):  # max propagates NaN
             return amax, False
-    a.masked_fill_(~torch.isfinite(a), 0)
-    return _reduce_blocks(a), True
+    return _reduce_blocks(a.nan_to_num_(nan=0.0, posinf=0.0)), True
 
 
 def _reduce_blocks(a: torch.Tensor) -> torch.Tensor:
