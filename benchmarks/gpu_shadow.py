@@ -40,6 +40,11 @@ ON_DEVICE = "_gpu_shadow_on_device"
 DEVICE = torch.device("cpu")
 """What this rank's device is on CPU while shadowing: this very object means the GPU."""
 OUR_CODE = (str(REPO / "megatron_ext"), f"{Path('megatron') / 'core'}")
+CPU_ONLY = {str(REPO / "megatron_ext" / p) for p in ("formats/amax.py",
+                                                      "methods/stquant/cpu_step.py")}
+"""Code a GPU run does not take: the formats' amax check reads on the host only where that
+is free (``reads_host`` is False for CUDA tensors); STQuant's compiled CPU step (a Triton
+kernel on CUDA). ``host_syncs.py`` lists what happens under it apart."""
 FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 """Calls that make a tensor from host data: with a device, a blocking copy to it."""
 FACTORIES = FROM_DATA | {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
@@ -69,11 +74,16 @@ def intent(device) -> bool | None:
 
 
 def _ours() -> bool:
-    """Whether the torch call being handled was made by this project or megatron-core."""
+    """Whether the torch call being handled was made by this project or megatron-core, and
+    not under :data:`CPU_ONLY` code (whose tensors, cached ones too, stay unknown)."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == __file__:
         frame = frame.f_back
-    return frame is not None and any(p in frame.f_code.co_filename for p in OUR_CODE)
+    if frame is None or not any(p in frame.f_code.co_filename for p in OUR_CODE):
+        return False
+    while frame is not None and frame.f_code.co_filename not in CPU_ONLY:
+        frame = frame.f_back
+    return frame is None
 
 
 def _move(func, args, kwargs) -> tuple[bool | None, bool]:

@@ -69,18 +69,13 @@ SYNC_METHODS = ("tolist", "numpy", "cpu")
 """``Tensor`` methods that copy to the host without a dispatched op."""
 PASSED_THROUGH = str(REPO / "megatron_ext" / "compat" / "cpu.py")
 """The CPU patch's function mode sees every call: its caller is charged instead."""
-CPU_ONLY = {str(REPO / "megatron_ext" / p) for p in ("formats/amax.py",
-                                                      "methods/stquant/cpu_step.py")}
-"""Code a GPU run does not take: the formats' amax check reads on the host only where that
-is free (``reads_host`` is False for CUDA tensors); STQuant's compiled CPU step (a Triton
-kernel on CUDA)."""
-EXEMPT = {"CPU only": "reads, uploads or mixed-device ops under CPU_ONLY's files"}
+EXEMPT = {"CPU only": "reads, uploads or mixed-device ops under gpu_shadow.CPU_ONLY"}
 """Reads listed apart and not counted, by why."""
 
 
 def _exemption(frame) -> str | None:
     """The :data:`EXEMPT` key that covers a read made under ``frame``, if any."""
-    return "CPU only" if frame.f_code.co_filename in CPU_ONLY else None
+    return "CPU only" if frame.f_code.co_filename in gpu_shadow.CPU_ONLY else None
 
 
 def _source() -> tuple[str, str | None]:

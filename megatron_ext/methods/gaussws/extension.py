@@ -36,6 +36,7 @@ from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.sites import site_id
+from megatron_ext.training.distributed import device
 
 from .attach import SampledSites
 from .flags import GaussWSConfig, add_arguments
@@ -155,8 +156,7 @@ def _pipeline_sum(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over this rank's pipeline-parallel group (a no-op without PP)."""
     group = parallel_state.get_pipeline_model_parallel_group()
     if dist.get_world_size(group) > 1:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        t = t.to(device)
+        t = t.to(device())  # where the backend reduces (NCCL: the GPU)
         dist.all_reduce(t, group=group)
         t = t.cpu()
     return t
