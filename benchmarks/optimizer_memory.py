@@ -16,7 +16,6 @@ STQuant does. bitsandbytes is not installed here (no CPU wheel), so it is not me
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
