@@ -7,7 +7,12 @@ A refresh keeps three kinds of tensors from one use to a later one: the weight s
 handle whose :meth:`Stored.get` brings the tensor back where it is used:
 
 * in memory (``none``: where the tensor already is; ``host``: CPU memory): the handle holds
-  the tensor itself;
+  the tensor itself, for ``host`` a copy; from a GPU that copy goes to pinned memory queued
+  on the stream (``non_blocking``, a CUDA event after it) and comes back the same way, so
+  neither direction waits for the GPU; only the host reading the copy waits, on the event
+  (a blocking copy each way per tensor was a synchronisation each: 125 reads and 139
+  uploads per refresh of the tiny model, BENCHMARKS.md "Uploads and mixed devices").
+  Pinned memory stays with torch's caching host allocator after the refresh;
 * ``disk``: the tensor is written to a file (``torch.save``) in a folder of its own under the
   run directory and read back (``torch.load``) at each use, so memory holds one site's
   tensor at a time. Page cache is not resident memory of the process; memory-mapped files
@@ -107,8 +112,8 @@ class TensorStore:
 
     def put(self, tensor: torch.Tensor, copy: bool = False, total: bool = False) -> Stored:
         """Keep ``tensor`` (``none``: itself, a new copy with ``copy``; ``host`` and
-        ``disk``: always a copy, of its elements only); with
-        ``total``, its float64 sum is made first, where it is (:attr:`Stored.total`)."""
+        ``disk``: always a copy, of its elements only); with ``total``, its float64 sum is
+        made first, where it is (:attr:`Stored.total`)."""
         summed = on_device(tensor.double().sum()) if total else None
         if self.folder is None:
             if self.device is None:
@@ -137,9 +142,7 @@ class TensorStore:
 
 def _host_copy(tensor: torch.Tensor, total: torch.Tensor | None) -> Stored:
     """A host copy of ``tensor`` that the host does not wait for: from a CUDA tensor into
-    pinned memory, queued on the current stream (:attr:`Stored.ready` marks its end; a
-    blocking copy per tensor was a synchronisation each, ~270 per refresh of the tiny
-    model)."""
+    pinned memory, queued on the current stream (:attr:`Stored.ready` marks its end)."""
     cuda = tensor.is_cuda
     host = torch.empty_like(tensor, device="cpu", pin_memory=cuda)
     host.copy_(tensor.detach(), non_blocking=True)
