@@ -123,6 +123,8 @@ class PlacementMode(TorchFunctionMode):
         move = target is not None
         if not move and (func in FACTORIES or kwargs.get("device") is not None):
             target = intent(kwargs.get("device")) or False  # empty_like(t, device="cpu") too
+        if kwargs.get("pin_memory"):  # a GPU branch's pinned copy (--cuda-branches)
+            kwargs["pin_memory"] = False
         out = func(*args, **kwargs)
         if target is None or not _ours():
             return out
@@ -155,26 +157,29 @@ class PlacementMode(TorchFunctionMode):
 
 
 class DeviceProperty:
-    """``Tensor.device`` while shadowing: :data:`DEVICE` for a device tensor, so a tensor
-    made ``device=t.device`` is marked as ``t`` is."""
+    """A ``Tensor`` attribute while shadowing: ``on_device`` for a device tensor, torch's
+    own for the rest. ``Tensor.device`` gives :data:`DEVICE`, so a tensor made
+    ``device=t.device`` is marked as ``t`` is; with ``--cuda-branches`` ``Tensor.is_cuda``
+    gives True, so the code takes its GPU branches."""
 
-    def __init__(self, original):
-        self.original = original
+    def __init__(self, name: str, on_device):
+        self.name, self.on_device = name, on_device
+        self.original = getattr(torch._C.TensorBase, name)
 
     def __get__(self, tensor, owner=None):
         if tensor is None:
             return self
         if placement(tensor):
-            return DEVICE
+            return self.on_device
         if getattr(type(tensor).__torch_function__, "__func__", None) is _PLAIN:
             return self.original.__get__(tensor, owner)
         # a subclass handling torch functions itself (a ShardedTensor) answers torch's own
-        # getter only, which finds it as torch.Tensor.device: put that back for the call
-        del torch.Tensor.device
+        # getter only, which finds it on torch.Tensor: put that back for the call
+        delattr(torch.Tensor, self.name)
         try:
-            return tensor.device
+            return getattr(tensor, self.name)
         finally:
-            torch.Tensor.device = self
+            setattr(torch.Tensor, self.name, self)
 
 
 _PLAIN = torch.Tensor.__torch_function__.__func__
@@ -227,6 +232,19 @@ def describe(args, kwargs) -> str:
                      for (where, shape), n in seen.items())
 
 
+class _Event:
+    """``torch.cuda.Event`` under ``--cuda-branches``: recording is free, waiting is a read."""
+
+    def __init__(self, on_copy):
+        self.on_copy = on_copy
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        self.on_copy("read")
+
+
 class Shadow:
     """On a machine without CUDA, the placement of a GPU run while in a ``with`` block:
     megatron-core's CPU patch first (``compat.cpu``), then this rank's device as
@@ -234,8 +252,11 @@ class Shadow:
     :class:`PlacementMode` on top, which sees each call before the CPU patch rewrites its
     CUDA device. Tensors made before are unmarked; ``mark`` the model."""
 
-    def __init__(self, on_copy):
+    def __init__(self, on_copy, cuda_branches: bool = False):
         self.mode = PlacementMode(on_copy)
+        self.cuda_branches = cuda_branches
+        """Device tensors say ``is_cuda``: the code takes its GPU branches (the Triton
+        kernels run in Triton's interpreter; a CUDA event's wait is a read)."""
         self._undo: list[tuple[object, str, object]] = []
         self._activated = False  # whether entering turned megatron's CPU patch on
 
@@ -249,8 +270,13 @@ class Shadow:
                   and getattr(m, "device", None) is distributed.device]
         patches = [(torch.cuda, "current_device", lambda: DEVICE),
                    (torch, "from_numpy", _host_made(torch.from_numpy)),
-                   (torch.Tensor, "device", DeviceProperty(torch._C.TensorBase.device)),
+                   (torch.Tensor, "device", DeviceProperty("device", DEVICE)),
                    *((m, "device", lambda: DEVICE) for m in owners)]
+        if self.cuda_branches:
+            on_copy = self.mode.on_copy
+            patches += [(torch.Tensor, "is_cuda", DeviceProperty("is_cuda", True)),
+                        (torch.cuda, "Event", lambda *a, **k: _Event(on_copy)),
+                        (torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))]
         for owner, name, value in patches:
             self._undo.append((owner, name, owner.__dict__.get(name)))
             setattr(owner, name, value)

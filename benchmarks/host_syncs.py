@@ -129,7 +129,7 @@ class SyncCounter(TorchDispatchMode):
     marks the steps and the parameters); on CPU also the blocking uploads and the ops a GPU
     run would refuse for mixing devices (:mod:`gpu_shadow`)."""
 
-    def __init__(self):
+    def __init__(self, cuda_branches: bool = False):
         super().__init__()
         self.step = 0  # 0: set-up, before the first step's hooks
         self.reads: dict[int, Counter] = {}  # step -> source -> counted reads
@@ -144,7 +144,7 @@ class SyncCounter(TorchDispatchMode):
         self.cuda_syncs: dict[int, int] | None = {} if cuda else None
         """On a GPU: per step, the synchronising CUDA calls ``set_sync_debug_mode`` reports."""
         self._warnings = warnings.catch_warnings()
-        self._shadow = None if cuda else gpu_shadow.Shadow(self.record)
+        self._shadow = None if cuda else gpu_shadow.Shadow(self.record, cuda_branches)
 
     def record(self, kind: str = "read", what: str = "") -> None:
         if threading.current_thread() is not self._main or getattr(self._inside, "on", False):
@@ -206,7 +206,7 @@ class SyncCounter(TorchDispatchMode):
             self.record()
             self._inside.on = True
             try:
-                if name == "cpu" and not tensor.is_cuda:  # on CPU: the tensor itself
+                if name == "cpu" and self._shadow is not None:  # on CPU: the tensor itself
                     tensor = tensor.detach().clone()  # a host copy, as on a GPU
                     mark([tensor], False)
                 return original(tensor, *args, **kwargs)
@@ -241,7 +241,7 @@ class SyncCounter(TorchDispatchMode):
                 for s, logged in sorted(self.logged.items())]
 
 
-def count(train_args: list[str]) -> SyncCounter:
+def count(train_args: list[str], cuda_branches: bool = False) -> SyncCounter:
     """Train with ``train_args`` in this process under a :class:`SyncCounter` (its
     :meth:`~SyncCounter.steps` give per step ``{"step", "logged", "count", "sources":
     {source: reads}, "exempt": {EXEMPT key: reads}}``, on CPU also ``uploads``,
@@ -249,7 +249,7 @@ def count(train_args: list[str]) -> SyncCounter:
     from megatron_ext.defaults import default_extensions
     from megatron_ext.training.pretrain import main
 
-    counter = SyncCounter()
+    counter = SyncCounter(cuda_branches)
     sys.argv = ["pretrain_llama.py", *train_args]
     with counter:
         status = main("llama", extensions=[counter.extension(), *default_extensions()])
@@ -290,11 +290,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, usage="%(prog)s [--json JSON] -- FLAGS",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, help="also write the per-step counts here")
+    p.add_argument("--cuda-branches", action="store_true",
+                   help="on CPU: device tensors say is_cuda, so the code takes its GPU "
+                        "branches (the Triton kernels in Triton's interpreter, slow)")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)  # torchrun drops the "--"
     args, rest = p.parse_known_args(argv[:cut])
     train_args = rest + argv[cut + 1:]  # pretrain_llama.py's flags (CPU; a --run-dir)
-    counter = count(train_args)
+    if args.cuda_branches:  # before any kernel is defined
+        if any(m.startswith("megatron_ext.formats") for m in sys.modules):
+            raise SystemExit("--cuda-branches: the kernels were imported before the flag")
+        os.environ["TRITON_INTERPRET"] = "1"
+    counter = count(train_args, args.cuda_branches)
     steps, mixed = counter.steps(), mixed_report(counter)
     if int(os.environ.get("RANK", "0")) == 0:
         print(summary(steps))

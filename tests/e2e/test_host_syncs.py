@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from megatron_ext.methods.snip.tensor_store import TensorStore
 from pretrain_runner import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -94,3 +95,50 @@ def test_the_shadow_places_tensors_as_a_gpu_run_would(monkeypatch):
     assert sum(mixed.values()) == 2, mixed
     assert any("aten::stack of device (), host ()" in what for what in mixed), mixed
     assert sum(counter.uploads[0].values()) == 2 and sum(counter.reads[0].values()) == 1
+
+
+def test_cuda_branches_take_the_gpu_side_of_the_host_store(monkeypatch):
+    """``--cuda-branches``: a device tensor says ``is_cuda``, so SNIP's host store takes its
+    GPU branch on CPU: a pinned copy out without a wait, back to the device without one, and
+    the host waiting on the copy's CUDA event (a read) only where it reads the copy."""
+    monkeypatch.setattr(gpu_shadow, "OUR_CODE", (*gpu_shadow.OUR_CODE, __file__))
+    counter = host_syncs.SyncCounter(cuda_branches=True)
+    weight = torch.randn(8, 8)
+    host_syncs.mark([weight])
+    with counter:
+        assert weight.is_cuda and not torch.ones(2).is_cuda
+        held = TensorStore(torch.device("cpu")).put(weight, total=True)
+        assert held.ready is not None and gpu_shadow.placement(held.tensor) is False
+        assert gpu_shadow.placement(held.total) is True  # summed where the weight is
+        back = held.get(weight.device)  # queued: no wait
+        assert gpu_shadow.placement(back) is True
+        assert not counter.reads and not counter.uploads
+        host = held.get()  # the host reads the copy: it waits on the event
+    assert sum(counter.reads[0].values()) == 1 and not counter.uploads and not counter.mixed
+    assert torch.equal(back, weight) and torch.equal(host, weight)
+    assert not weight.is_cuda  # the shadow is gone
+
+
+def test_the_gpu_branches_of_the_composed_run_mix_no_devices(tmp_path):
+    """``--cuda-branches``: the composed run takes its GPU side on CPU (the Triton
+    quantizers, STQuant's Triton step and GaussWS's sampling in Triton's interpreter, the
+    amax without its host read, SNIP's pinned host copies), at a small shape: no op mixes
+    host and device tensors, and the waits per step are the CPU side's."""
+    out = tmp_path / "syncs.json"
+    small = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "176",
+             "--num-attention-heads": "2", "--seq-length": "32",
+             "--max-position-embeddings": "32", "--micro-batch-size": "1",
+             "--global-batch-size": "2", "--train-iters": "4", "--snip-start": "2",
+             "--gaussws": "od"}
+    flags = [a for i, a in enumerate(TRAIN) if a not in small and TRAIN[i - 1] not in small]
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_syncs.py"),
+                           "--cuda-branches", "--json", str(out), "--", *flags,
+                           *(x for kv in small.items() for x in kv),
+                           "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = {s["step"]: s for s in json.loads(out.read_text())}
+    assert sorted(steps) == [1, 2, 3, 4] and not any(s["mixed"] for s in steps.values())
+    assert not any(s["exempt"] for s in steps.values())  # no CPU-only code ran
+    assert steps[2]["count"] <= 6 and steps[2]["uploads"] <= 1, steps[2]  # 5 and 1
+    assert steps[3]["count"] <= 25 and steps[3]["uploads"] <= 8, steps[3]  # the refresh
