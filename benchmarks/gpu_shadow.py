@@ -16,12 +16,15 @@ each tensor with where a GPU run would place it, as an attribute (:data:`ON_DEVI
   device or an explicit ``"cpu"`` (``torch.tensor(x)``, ``torch.zeros(n)``,
   ``torch.from_numpy``), a ``.cpu()`` / ``.to("cpu")`` copy, and what ops make from host
   tensors only;
-* unmarked: unknown (torch's own code, a factory inside ``backward``, which runs without
-  this mode); never reported.
+* unmarked: unknown (made by torch's own code, under :data:`CPU_ONLY` code, or by a C++
+  path no function mode sees); never reported.
 
-:class:`PlacementMode` (a ``TorchFunctionMode``) marks where a call names a device;
-:func:`check` (called from the counting ``TorchDispatchMode`` for every op) reports an op that
-would mix devices on a GPU (:data:`MIXED`) and names the copies between them.
+:class:`PlacementMode` (a ``TorchFunctionMode``, on in the backward too) marks where a call
+names a device; :func:`check` (called from the counting ``TorchDispatchMode`` for every op)
+reports an op that would mix devices on a GPU (:data:`MIXED`) and names the copies between
+them; :class:`Shadow` puts it all in place for a ``with`` block. A branch on ``t.is_cuda``
+takes its CPU side unless ``cuda_branches`` (``host_syncs.py --cuda-branches``) makes device
+tensors say ``is_cuda``: then the GPU side runs, its Triton kernels in Triton's interpreter.
 """
 
 from __future__ import annotations
