@@ -26,13 +26,19 @@ costs nothing, it is invisible. So this script trains in its own process, on CPU
 It prints, per step, the count and whether the step was logged (``--log-interval``: a logged
 step may read more, for its metrics), then the sources of the median unlogged step.
 
-Limits: a tensor made on the device from host data without a parameter (``torch.zeros(...,
-device=...)`` filled from a host array) counts as a host tensor until a collective or a
-parameter touches it; the formats' amax check reads on CPU only (on CUDA the Triton kernels
-run, or the check is skipped), so those reads are listed apart (:data:`EXEMPT`); only the
-main thread is seen (not a checkpoint writer's). On a GPU the script also counts, per step,
-the synchronising CUDA calls ``torch.cuda.set_sync_debug_mode("warn")`` reports (the direct
-check; ``benchmarks/gpu_check.py --sections syncs``).
+On CPU it also follows where a GPU run would place every tensor (``gpu_shadow.py``: the
+calls that name a device, moves, factories), counts the blocking copies of host data to the
+device (``uploads``: torch waits for the stream after each) and reports each op that would
+mix host and device tensors, a crash on a GPU only: the script then exits 1.
+``--cuda-branches`` makes device tensors say ``is_cuda``, so the code's GPU side runs (its
+Triton kernels in Triton's interpreter).
+
+Limits: code a GPU run does not take (``gpu_shadow.CPU_ONLY``: the formats' amax check reads
+on the host only on CPU; STQuant's compiled CPU step) is listed apart (:data:`EXEMPT`);
+tensors torch makes in its own code stay unknown; only the main thread is seen (not a
+checkpoint writer's). On a GPU the script counts reads only, beside the synchronising CUDA
+calls ``torch.cuda.set_sync_debug_mode("warn")`` reports (the direct check;
+``benchmarks/gpu_check.py --sections syncs``).
 """
 
 from __future__ import annotations
@@ -85,7 +91,8 @@ def _source() -> tuple[str, str | None]:
     while frame is not None:
         name = frame.f_code.co_filename
         exempt = exempt or _exemption(frame)
-        if source == "elsewhere" and any(p in name for p in gpu_shadow.OUR_CODE) and name != PASSED_THROUGH:
+        ours = any(p in name for p in gpu_shadow.OUR_CODE) and name != PASSED_THROUGH
+        if source == "elsewhere" and ours:
             short = name.split("site-packages/")[-1].replace(str(REPO) + "/", "")
             source = f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back

@@ -114,7 +114,8 @@ def test_cuda_branches_take_the_gpu_side_of_the_host_store(monkeypatch):
         assert gpu_shadow.placement(back) is True
         assert not counter.reads and not counter.uploads
         host = held.get()  # the host reads the copy: it waits on the event
-    assert sum(counter.reads[0].values()) == 1 and not counter.uploads and not counter.mixed
+        assert held.get(torch.device("cpu")) is held.tensor  # so when asked for on the host
+    assert sum(counter.reads[0].values()) == 2 and not counter.uploads and not counter.mixed
     assert torch.equal(back, weight) and torch.equal(host, weight)
     assert not weight.is_cuda  # the shadow is gone
 

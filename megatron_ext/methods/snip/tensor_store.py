@@ -75,8 +75,10 @@ class Stored:
         if self.path is not None:
             return torch.load(self.path, map_location=device, weights_only=True)
         if device is not None and (self.host_copy or torch.device(device) != self.tensor.device):
-            return self.tensor.to(device, non_blocking=self.host_copy)
-        if self.ready is not None:
+            moved = self.tensor.to(device, non_blocking=self.host_copy)
+            if moved is not self.tensor:
+                return moved
+        if self.ready is not None:  # the host copy itself (also asked for on the host)
             self.ready.synchronize()
         return self.tensor
 
