@@ -49,7 +49,7 @@ from .flags import GaussWSConfig
 from .layout import ShardLayout
 from .noise import NoiseSeeds
 from .sampling import format_mantissa_bits, underflow_bound
-from .weight import GaussWSWeight
+from .weight import GaussWSWeight, grid_bits
 
 COLUMN_PARALLEL = ("qkv", "fc1")
 """Sites whose linear splits its output rows over TP (the others split input columns)."""
@@ -95,6 +95,8 @@ class SampledSites:
         before the step samples what the step will)."""
         self.modules: dict[str, torch.nn.Module] = {}
         """Site id -> the quantized linear it samples (this rank's pipeline stage)."""
+        self._lengths: tuple = (None, None)
+        """(sites and device, their grids' sizes there) of the last :meth:`stats` call."""
 
     def attach(self, chunks) -> None:
         """Give every chosen site of ``chunks`` its ``b_i`` grid (submodule ``gaussws``:
@@ -117,7 +119,26 @@ class SampledSites:
         bound = max_bits(module.formats, weight.dtype)
         return input, module.gaussws.sample(weight, key, bound, group)
 
+    def bound(self, sid: str) -> float | None:
+        """Eq. 6's bound on b_t of a site under its formats now (None: none)."""
+        module = self.modules[sid]
+        return max_bits(module.formats, module.weight.dtype)
+
+    @torch.no_grad()
+    def stats(self, sids: list[str]) -> torch.Tensor:
+        """Mean, min and max of b_t as the GEMMs use it (clamped by eq. 6) per site of ``sids``
+        (rows, float64, on the weights' device): one concatenation and three segment
+        reductions for all sites, not a dozen launches per site."""
+        weights = [self.modules[s].gaussws for s in sids]
+        flat = torch.cat([b.reshape(-1) for b in grid_bits(
+            weights, [self.bound(s) for s in sids])[1]]).double()
+        key = (tuple(sids), flat.device)
+        if self._lengths[0] != key:  # uploaded once per set of sites, not per logged step
+            self._lengths = key, torch.tensor([w.b_i.numel() for w in weights], device=flat.device)
+        lengths = self._lengths[1]
+        return torch.stack([torch.segment_reduce(flat, op, lengths=lengths)
+                            for op in ("mean", "min", "max")], dim=1)
+
     def bits(self, sid: str) -> torch.Tensor:
         """b_t of a site as its GEMMs use it now (eq. 9, clamped by eq. 6), with autograd."""
-        module = self.modules[sid]
-        return module.gaussws.bits(max_bits(module.formats, module.weight.dtype))
+        return self.modules[sid].gaussws.bits(self.bound(sid))

@@ -42,7 +42,7 @@ from .attach import SampledSites
 from .flags import GaussWSConfig, add_arguments
 from .noise import NoiseSeeds
 from .plots import PLOTS
-from .weight import bitwidth_loss
+from .weight import bitwidth_loss_grads
 
 OWNER = "gaussws"
 """Name of the extension and of its checkpoint state."""
@@ -102,13 +102,16 @@ class GaussWSRun:
         sids = list(self.sampled.modules)
         if not sids:
             return
-        params = [self.sampled.modules[s].gaussws.b_i for s in sids]
-        loss = bitwidth_loss([self.sampled.bits(s) for s in sids], self.config.b_target_loss,
-                             self.config.lam, self.tiles)
-        scale = optimizer.get_loss_scale()  # a device tensor: no host synchronisation
-        for param, grad in zip(params, torch.autograd.grad(loss, params)):
-            target = param.main_grad if hasattr(param, "main_grad") else param.grad
-            target.add_(grad.to(target.dtype) * scale.to(target.dtype))
+        weights = [self.sampled.modules[s].gaussws for s in sids]
+        bounds = [self.sampled.bound(s) for s in sids]
+        grads = bitwidth_loss_grads(weights, bounds, self.config.b_target_loss, self.config.lam,
+                                    self.tiles)
+        targets = [w.b_i.main_grad if hasattr(w.b_i, "main_grad") else w.b_i.grad
+                   for w in weights]
+        # the loss scale: a device tensor (no host synchronisation), of shape (1,) in megatron
+        scale = optimizer.get_loss_scale().to(targets[0].dtype).reshape(())
+        grads = [g.to(t.dtype) for g, t in zip(grads, targets)]
+        torch._foreach_add_(targets, torch._foreach_mul(grads, scale))
 
     def after_setup(self, args, run, state) -> None:
         if self.config is not None:
@@ -122,16 +125,14 @@ class GaussWSRun:
         if self.config is None:
             return None
         self.sampled.step = state.iteration + 1
-        if not run.step_result["logged"]:  # the statistics cost a launch per site and a copy
+        if not run.step_result["logged"]:  # the statistics cost launches and a copy
             return None
         stats = torch.zeros(len(self.site_ids), len(STATS), dtype=torch.float64)
-        bits = {row: self.sampled.bits(sid).detach().double()
-                for row, sid in enumerate(self.site_ids) if sid in self.sampled.modules}
-        if bits:  # one copy to the host for all sites, not a synchronisation per site
-            stats[list(bits)] = torch.stack([torch.stack([b.mean(), b.min(), b.max()])
-                                             for b in bits.values()]).cpu()
-        stats = _pipeline_sum(stats)  # each site lives on one stage: the sum gathers
-        return {f"gaussws_b_{name}/{sid}": stats[row, col].item()
+        rows = [row for row, sid in enumerate(self.site_ids) if sid in self.sampled.modules]
+        if rows:  # one copy to the host for all sites, not a synchronisation per site
+            stats[rows] = self.sampled.stats([self.site_ids[row] for row in rows]).cpu()
+        stats = _pipeline_sum(stats).tolist()  # each site lives on one stage: the sum gathers
+        return {f"gaussws_b_{name}/{sid}": stats[row][col]
                 for row, sid in enumerate(self.site_ids) for col, name in enumerate(STATS)}
 
     # -- checkpoint ----------------------------------------------------------------------

@@ -14,8 +14,10 @@ R is regenerated from the key in the backward pass, and so is ŵ itself: the GEM
 and calls :func:`perturb` again for its dgrad (:func:`recomputable_sample`, the precision
 platform's :class:`~megatron_ext.precision.gemm.RecomputableWeight`), so nothing of ŵ or R
 outlives the forward but the tile grid of s. On CUDA a Triton kernel generates R and adds
-the scaled noise in one pass; the torch path (CPU, or float64) works in row chunks so its
-temporaries stay bounded, and adds with one ``addcmul``.
+the scaled noise in one pass, and another makes eq. 3's sums with R in registers (float32
+sums in another order: equal to float32 rounding, not bit for bit); the torch path (CPU,
+or float64) works in row chunks so its temporaries stay bounded, and adds with one
+``addcmul``.
 
 Under TP the caller passes the full tile grids (``amax`` combined over the group, see
 :mod:`.layout`; ``bits`` replicated on every rank). A shard's eq. 3 sum covers only its part
@@ -51,13 +53,8 @@ from .layout import (
 )
 
 CHUNK_ELEMS = 1 << 20
-"""Elements of R per chunk on the torch path (CPU: the temporaries stay bounded, in cache)."""
-DEVICE_CHUNK_ELEMS = 1 << 25
-"""Elements of R per chunk where the Triton kernel generates it (a GPU): 128 MiB of float32 at
-most, one chunk for each TinyLlama-1.1B weight. Every chunk costs a few kernel launches and
-the host's Python; at ``CHUNK_ELEMS`` eq. 3's backward took 43 chunks per TinyLlama layer
-with every site sampled, 16 with ``od`` (the chunks change no value: each row's sums are the
-same)."""
+"""Elements of R per chunk on the torch path (CPU: the temporaries stay bounded, in cache;
+the Triton kernels keep R in registers)."""
 
 
 def underflow_bound(mantissa_bits: int, r: int = 0) -> int:
@@ -104,17 +101,14 @@ def _indices(layout: ShardLayout, device: torch.device):
 
 
 def _noise_chunks(layout: ShardLayout, key: int, like: torch.Tensor, dtype: torch.dtype):
-    """(first local row, full row indices, R) per chunk of rows on ``like``'s device: R
-    generated a chunk at a time (by the Triton kernel for a CUDA ``like``), so the torch
-    path's temporaries stay bounded."""
+    """(first local row, full row indices, R) per chunk of rows on ``like``'s device: the
+    torch path's R, generated a chunk at a time so its temporaries stay bounded."""
     rows = _indices(layout, like.device)[0]
     c0, c1 = layout.col_range
-    kernels = _triton_for(like)
-    generate = kernels.noise_block if kernels else noise.noise_block
-    step = max(1, (DEVICE_CHUNK_ELEMS if kernels else CHUNK_ELEMS) // (c1 - c0))
+    step = max(1, CHUNK_ELEMS // (c1 - c0))
     for lo in range(0, len(rows), step):
         part = rows[lo : lo + step]
-        yield lo, part, generate(part, c0, c1 - c0, layout.full_shape[1], key, dtype)
+        yield lo, part, noise.noise_block(part, c0, c1 - c0, layout.full_shape[1], key, dtype)
 
 
 def _scaled_add(w: torch.Tensor, r: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
@@ -141,7 +135,7 @@ def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
     layout.check(w)
     kernels = _triton_for(w)
     if kernels:
-        return kernels.perturb(w, scale.float(), layout, key)
+        return kernels.perturb(w, scale.float(), layout, key, _indices(layout, w.device)[0])
     dtype = _compute_dtype(w)
     scale, w = scale.to(dtype), w.contiguous()
     out = torch.empty_like(w)
@@ -163,6 +157,10 @@ def noise_dot(grad: torch.Tensor, layout: ShardLayout, key: int, kept: list | No
     """Σ_tile (grad ⊙ R) over this shard's part of every tile, on the full grid (float32,
     float64 for float64 ``grad``), 0 for tiles the shard does not touch. ``kept``: R's
     chunks from :func:`perturb` (used up), else R is generated."""
+    kernels = _triton_for(grad)
+    if kernels:  # R in registers, one launch
+        col_partial = kernels.noise_dot(grad, _indices(layout, grad.device)[0], layout, key)
+        return block_reduce(None, layout, "sum", col_partial=col_partial)
     dtype = _compute_dtype(grad)
     if not kept or kept[0][2].dtype != dtype:
         kept = _noise_chunks(layout, key, grad, dtype)

@@ -1,14 +1,16 @@
-"""Triton kernels of GaussWS, bit-identical to the torch path of :mod:`.noise` /
-:mod:`.sampling` (the GEMM stays torch's):
+"""Triton kernels of GaussWS, against the torch path of :mod:`.noise` / :mod:`.sampling`
+(the GEMM stays torch's). Both make R in registers: per element, the 64-bit SplitMix64
+output of its draw (the same counter and arithmetic as :func:`.noise.random_words`, in
+uint64), its 16-bit lane, eq. 7-8's AND/OR construction (:func:`.noise.encode` on one nibble)
+— where the torch path looks the 16 bits up in a table. R never goes to memory.
 
-* :func:`noise_block` — R of a block of the full weight: per element, the 64-bit SplitMix64
-  output of its draw (the same counter and arithmetic as :func:`.noise.random_words`, in
-  uint64), its 16-bit lane, eq. 7-8's AND/OR construction (:func:`.noise.encode` on one
-  nibble) — evaluated in registers where the torch path looks the 16 bits up in a table;
-* :func:`perturb` — the same R generated in place and ŵ = w + R · s written in one pass, s
-  read from the full tile grid at (row // block, col // block). Float32 arithmetic; R · s is
-  exact, so the single rounding of the add (and the final rounding to bfloat16 / float16)
-  matches torch's.
+* :func:`perturb` — ŵ = w + R · s in one pass, s read from the full tile grid at
+  (row // block, col // block). Float32 arithmetic; R · s is exact, so the single rounding
+  of the add (and the final rounding to bfloat16 / float16) matches torch's: bit for bit;
+* :func:`noise_dot` — eq. 3's sums per local row and tile column, Σ ∂L/∂ŵ ⊙ R: one read of
+  the gradient (the torch path writes R, then the product, then sums). Each product is
+  exact (R ∈ {-2..2}); the float32 sum of a tile's row runs in another order than torch's,
+  so the sums agree to float32 rounding, not bit for bit (tested against float64).
 
 Used on CUDA automatically; tests run them on CPU under ``TRITON_INTERPRET=1``.
 """
@@ -22,7 +24,7 @@ import triton.language as tl
 from .layout import ShardLayout
 from .noise import GAMMA, as_int64, draws_per_row
 
-__all__ = ["noise_block", "perturb"]
+__all__ = ["noise_dot", "perturb"]
 
 
 @triton.jit
@@ -50,27 +52,13 @@ def _r_value(g_row, g_col, full_draws, key_gamma):
 
 
 @triton.jit
-def _noise_kernel(out_ptr, rows_ptr, n_rows, n_cols, col_start, full_draws, key_gamma,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (r[:, None] < n_rows) & (c[None, :] < n_cols)
-    g_row = tl.load(rows_ptr + r, mask=r < n_rows, other=0)
-    value = _r_value(g_row[:, None], col_start + c[None, :], full_draws, key_gamma)
-    offs = r[:, None].to(tl.int64) * n_cols + c[None, :]
-    tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def noise_block(rows: torch.Tensor, col_start: int, n_cols: int, full_cols: int, key: int,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Same contract as :func:`.noise.noise_block`."""
-    out = torch.empty(len(rows), n_cols, dtype=dtype, device=rows.device)
-    block_r, block_c = 32, 64
-    grid = (triton.cdiv(len(rows), block_r), triton.cdiv(n_cols, block_c))
-    _noise_kernel[grid](out, rows.contiguous(), len(rows), n_cols, col_start,
-                        draws_per_row(full_cols), as_int64(key + GAMMA), BLOCK_R=block_r,
-                        BLOCK_C=block_c)
-    return out
+def _load_float32(ptr, mask, BF16: tl.constexpr):
+    """Values at ``ptr`` as float32 (0 where masked); bfloat16 (read as int16) by its bits:
+    the interpreter's casts drop subnormals."""
+    v = tl.load(ptr, mask=mask, other=0)
+    if BF16:
+        return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
 
 
 @triton.jit
@@ -88,10 +76,8 @@ def _perturb_kernel(
     tile = (g_row // BLOCK)[:, None] * grid_cols + (g_col // BLOCK)[None, :]
     scale = tl.load(scale_ptr + tile, mask=mask, other=0.0)
     offs = r[:, None].to(tl.int64) * n_cols + c[None, :]
-    w = tl.load(w_ptr + offs, mask=mask, other=0)
-    if BF16:  # bfloat16 <-> float32 by bits (the interpreter's casts drop subnormals)
-        w = (w.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    y = w.to(tl.float32) + value * scale
+    w = _load_float32(w_ptr + offs, mask, BF16)
+    y = w + value * scale
     if BF16:  # round to nearest-even on the bits; NaN -> 0x7FC0 (torch's NaN)
         bits = y.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -99,12 +85,14 @@ def _perturb_kernel(
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int):
+def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
+            rows: torch.Tensor | None = None):
     """Same contract as :func:`.sampling.perturb` (float32 ``scale`` grid; ``w`` float32,
-    bfloat16 or float16)."""
+    bfloat16 or float16; ``rows``: the layout's full row indices on ``w``'s device, made if
+    not given)."""
     w = w.contiguous()
     bf16 = w.dtype == torch.bfloat16
-    rows = layout.global_rows(w.device)
+    rows = layout.global_rows(w.device) if rows is None else rows
     out = torch.empty_like(w)
     block_r, block_c = 32, 64
     grid = (triton.cdiv(w.shape[0], block_r), triton.cdiv(w.shape[1], block_c))
@@ -114,5 +102,39 @@ def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int)
         draws_per_row(layout.full_shape[1]), as_int64(key + GAMMA), scale.shape[1],
         BLOCK=layout.block, BLOCK_R=block_r, BLOCK_C=block_c, BF16=bf16,
         enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _noise_dot_kernel(grad_ptr, rows_ptr, out_ptr, n_rows, n_cols, n_tiles, col_start,
+                      full_draws, key_gamma, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BF16: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.arange(0, BLOCK_P)  # one tile's columns, padded to a power of two
+    g_col = (col_start // BLOCK + tl.program_id(1)) * BLOCK + k
+    c = g_col - col_start
+    mask = (r[:, None] < n_rows) & ((k < BLOCK) & (c >= 0) & (c < n_cols))[None, :]
+    g_row = tl.load(rows_ptr + r, mask=r < n_rows, other=0)
+    value = _r_value(g_row[:, None], g_col[None, :], full_draws, key_gamma)
+    grad = _load_float32(grad_ptr + r[:, None].to(tl.int64) * n_cols + c[None, :], mask, BF16)
+    total = tl.sum(value * grad, axis=1)
+    tl.store(out_ptr + r.to(tl.int64) * n_tiles + tl.program_id(1), total, mask=r < n_rows)
+
+
+def noise_dot(grad: torch.Tensor, rows: torch.Tensor, layout: ShardLayout, key: int):
+    """Eq. 3's column sums: ``(local rows, tile columns from col_range[0] // block)`` float32,
+    Σ over each tile's columns of ``grad ⊙ R`` (``grad`` float32, bfloat16 or float16; ``rows``
+    the layout's full row indices), as :func:`.layout.block_reduce` takes ``col_partial``."""
+    grad = grad.contiguous()
+    bf16 = grad.dtype == torch.bfloat16
+    b, (c0, c1) = layout.block, layout.col_range
+    n_tiles = -(-(c0 % b + c1 - c0) // b)
+    out = torch.empty(grad.shape[0], n_tiles, dtype=torch.float32, device=grad.device)
+    block_r = 32
+    _noise_dot_kernel[(triton.cdiv(grad.shape[0], block_r), n_tiles)](
+        grad.view(torch.int16) if bf16 else grad, rows, out, grad.shape[0], grad.shape[1],
+        n_tiles, c0, draws_per_row(layout.full_shape[1]), as_int64(key + GAMMA),
+        BLOCK=b, BLOCK_P=triton.next_power_of_2(b), BLOCK_R=block_r, BF16=bf16,
     )  # fmt: skip
     return out

@@ -26,6 +26,8 @@ an eq. 10 term added on every TP rank counts once).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_ext.precision.gemm import RecomputableWeight
@@ -92,3 +94,33 @@ def bitwidth_loss(bits: list[torch.Tensor], b_target: float, lam: float,
     total = sum((b - b_target).abs().sum() for b in bits)
     n = count if count is not None else sum(b.numel() for b in bits)
     return lam / n * total
+
+
+@torch.no_grad()
+def grid_bits(weights: list[GaussWSWeight], bounds: list[float | None]):
+    """b_t of each of ``weights`` (eq. 9) and b_t clamped at its bound (eq. 6; None: none),
+    without autograd: two lists of grids, the same values as :meth:`GaussWSWeight.bits` in a
+    few multi-tensor launches for all grids."""
+    b_init, b_decay = weights[0].b_init, weights[0].b_decay
+    bits = torch._foreach_add(torch._foreach_mul([w.b_i.detach() for w in weights],
+                                                 b_init - b_decay), b_decay)
+    return bits, torch._foreach_clamp_max(bits, [math.inf if b is None else b for b in bounds])
+
+
+@torch.no_grad()
+def bitwidth_loss_grads(weights: list[GaussWSWeight], bounds: list[float | None],
+                        b_target: float, lam: float, count: int) -> list[torch.Tensor]:
+    """∂/∂b_i of :func:`bitwidth_loss` over the ``weights``' clamped b_t (eq. 9, eq. 6 with
+    ``bounds``; n = ``count``) without autograd: ``λ/n · sign(b_t - b_target) · (b_init -
+    b_decay)`` where b_t is at most its bound, else 0 — autograd's values bit for bit, in a
+    dozen multi-tensor (``_foreach``) launches for all grids instead of a dozen per grid."""
+    if not weights:
+        return []
+    b_init, b_decay = weights[0].b_init, weights[0].b_decay
+    bits, capped = grid_bits(weights, bounds)
+    over = torch._foreach_sign(torch._foreach_sub(bits, capped))  # 1 above the bound, else 0
+    grads = torch._foreach_sign(torch._foreach_sub(capped, b_target))  # |x|' = sign(x)
+    torch._foreach_mul_(grads, torch._foreach_add(torch._foreach_neg(over), 1.0))
+    torch._foreach_mul_(grads, lam / count)  # the order of autograd's products, so its bits
+    torch._foreach_mul_(grads, b_init - b_decay)
+    return grads

@@ -94,3 +94,14 @@ def test_bad_layouts_are_usage_errors(make):
 def test_weight_of_the_wrong_shape_is_refused():
     with pytest.raises(UsageError, match="does not match"):
         local_block_amax(torch.zeros(4, 5), ShardLayout.full(5, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_whole_tile_maxima_reduce_before_the_cast(dtype):
+    w = (torch.randn(96, 64, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
+    w[5, 7], w[40, 40] = float("-inf"), float("nan")
+    layout = ShardLayout.full(96, 64)
+    expected = block_reduce(w.abs().float(), layout, "amax")  # the general path
+    got = local_block_amax(w, layout)
+    assert got.dtype == torch.float32 and torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num()) and got[0, 0] == float("inf")

@@ -2,7 +2,6 @@
 (float64), R regenerated bit for bit in the backward pass, TP shards equal to TP=1."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -187,18 +186,3 @@ def test_row_chunking_changes_nothing(monkeypatch):
     monkeypatch.setattr(sampling, "CHUNK_ELEMS", 100)  # two rows per chunk
     chunked = (sampling.perturb(w, scale, layout, KEY), sampling.noise_dot(w, layout, KEY))
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
-
-
-def test_triton_generated_noise_comes_in_larger_chunks(monkeypatch):
-    """Where the Triton kernel makes R (a GPU; here the torch generator stands in for it),
-    eq. 3's noise dot takes DEVICE_CHUNK_ELEMS per chunk: fewer chunks, the same sums."""
-    layout = ShardLayout.full(300, 64, block=16)
-    w = torch.randn(layout.shape, generator=_gen())
-    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 64 * 10)
-    torch_path = sampling.noise_dot(w, layout, KEY)
-    assert len(list(sampling._noise_chunks(layout, KEY, w, torch.float32))) == 30
-    fake = SimpleNamespace(noise_block=noise.noise_block)
-    monkeypatch.setattr(sampling, "_triton_for", lambda t: fake)
-    monkeypatch.setattr(sampling, "DEVICE_CHUNK_ELEMS", 64 * 100)
-    assert len(list(sampling._noise_chunks(layout, KEY, w, torch.float32))) == 3
-    assert torch.equal(sampling.noise_dot(w, layout, KEY), torch_path)

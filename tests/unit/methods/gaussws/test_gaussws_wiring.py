@@ -10,6 +10,7 @@ from megatron_ext.errors import UsageError
 from megatron_ext.methods.gaussws import GaussWSConfig, GaussWSWeight, ShardLayout
 from megatron_ext.methods.gaussws.attach import SampledSites, max_bits
 from megatron_ext.methods.gaussws.extension import GaussWSRun
+from megatron_ext.methods.gaussws.weight import bitwidth_loss, bitwidth_loss_grads
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.site_formats import SiteFormats
 
@@ -70,3 +71,40 @@ def test_checkpoint_state_restores_the_run_seed_and_checks_the_settings():
     assert run.sampled.seeds.key("L0.fc2", 3) == SampledSites(config, 1).seeds.key("L0.fc2", 3)
     with pytest.raises(UsageError, match="checkpoint's GaussWS"):
         run.load_state_dict({**saved, "sites": ["fc2"]})
+
+
+def test_eq10_closed_form_is_autograds_bit_for_bit():
+    config = GaussWSConfig(("proj", "fc2"), b_init=6.0, b_target_decay=2.0, b_target_loss=4.0)
+    gen = torch.Generator().manual_seed(3)
+    weights = [GaussWSWeight(ShardLayout.full(*shape), config) for shape in ((96, 64), (64, 200))]
+    bounds = [5.0, None]
+    with torch.no_grad():
+        for w in weights:
+            w.b_i.copy_(torch.rand(w.b_i.shape, generator=gen) * 1.5 - 0.2)
+            w.b_i.view(-1)[:3] = torch.tensor([0.5, 0.75, 1.0])  # b_t = 4 (target), 5 (bound), 6
+    loss = bitwidth_loss([w.bits(b) for w, b in zip(weights, bounds)], 4.0, 3e-4, count=777)
+    expected = torch.autograd.grad(loss, [w.b_i for w in weights])
+    got = bitwidth_loss_grads(weights, bounds, 4.0, 3e-4, 777)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    assert got[0].view(-1)[0] == 0 and got[0].view(-1)[1] != 0 and got[0].view(-1)[2] == 0
+    assert got[1].view(-1)[2] != 0  # no bound: 6 bits pulled down
+
+
+def test_bit_width_statistics_of_all_sites_at_once():
+    config = GaussWSConfig(("proj", "fc2"), b_init=6.0, b_target_decay=2.0)
+    sites = SampledSites(config, seed=1)
+    formats = {"L0.proj": SiteFormats(w="fp8_e4m3@block128"), "L1.fc2": SiteFormats()}
+    for sid, shape in {"L0.proj": (64, 64), "L1.fc2": (70, 100)}.items():
+        weight = GaussWSWeight(ShardLayout.full(*shape), config)
+        with torch.no_grad():
+            weight.b_i.uniform_(0.0, 1.2)
+        sites.modules[sid] = SimpleNamespace(gaussws=weight, formats=formats[sid],
+                                             weight=torch.zeros(1))
+    got = sites.stats(["L1.fc2", "L0.proj"])
+    for row, sid in enumerate(["L1.fc2", "L0.proj"]):
+        expected = sites.modules[sid].gaussws.stats(sites.bound(sid))
+        assert got[row, 1] == expected["min"] and got[row, 2] == expected["max"]
+        mean = sites.bits(sid).detach().double().mean().item()  # what the metrics had
+        assert got[row, 0].item() == pytest.approx(mean, rel=1e-14)
+    assert got[1, 2] == 5.0  # L0.proj clamped at eq. 6's FP8 bound
