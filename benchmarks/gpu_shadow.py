@@ -20,11 +20,13 @@ each tensor with where a GPU run would place it, as an attribute (:data:`ON_DEVI
   path no function mode sees); never reported.
 
 :class:`PlacementMode` (a ``TorchFunctionMode``, on in the backward too) marks where a call
-names a device; :func:`check` (called from the counting ``TorchDispatchMode`` for every op)
-reports an op that would mix devices on a GPU (:data:`MIXED`) and names the copies between
-them; :class:`Shadow` puts it all in place for a ``with`` block. A branch on ``t.is_cuda``
-takes its CPU side unless ``cuda_branches`` (``host_syncs.py --cuda-branches``) makes device
-tensors say ``is_cuda``: then the GPU side runs, its Triton kernels in Triton's interpreter.
+names a device (and reports what it makes there from no device tensor: a launch, for
+``launch_count.py``); :func:`check` (called from the counting ``TorchDispatchMode`` for
+every op) reports an op that would mix devices on a GPU (:data:`MIXED`) and names the copies
+between them; :class:`Shadow` puts it all in place for a ``with`` block. A branch on
+``t.is_cuda`` takes its CPU side unless ``cuda_branches`` (``host_syncs.py --cuda-branches``)
+makes device tensors say ``is_cuda``: then the GPU side runs, its Triton kernels in Triton's
+interpreter.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 FACTORIES = FROM_DATA | {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
                          torch.rand, torch.randn, torch.randint, torch.linspace, torch.eye}
 """Calls that make a tensor on the named device, the host when none is named."""
+UNWRITTEN = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
+"""Calls that make a tensor without writing it: no kernel on the device."""
 aten = torch.ops.aten
 
 
@@ -112,7 +116,9 @@ class PlacementMode(TorchFunctionMode):
     """Marks the tensors whose placement a call names (module docstring) and calls
     ``on_copy(kind)`` for each blocking copy between host and device that it sees: an
     ``"upload"`` of host data, a ``"read"`` of a device tensor (``.to("cpu")``; ``.cpu()``
-    is counted by ``host_syncs.py``'s own wrapper)."""
+    is counted by ``host_syncs.py``'s own wrapper); and ``on_copy("launch")`` for a tensor
+    made on the device from no device tensor (a kernel or a copy in a GPU run, which no
+    dispatched op shows: its op sees host tensors or none)."""
 
     def __init__(self, on_copy):
         super().__init__()
@@ -137,8 +143,14 @@ class PlacementMode(TorchFunctionMode):
                 out = out.clone()  # a copy on a GPU, the tensor itself on CPU
             if blocking and source is not None and source is not target:
                 self.on_copy("upload" if target else "read")
-        elif target and func in FROM_DATA and blocking:
-            self.on_copy("upload")
+            launch = target and source is False  # a download's op is on a device tensor
+        else:
+            if target and func in FROM_DATA and blocking:
+                self.on_copy("upload")
+            launch = target and func not in UNWRITTEN and not any(
+                placement(t) for t in pytree.tree_leaves((args, kwargs)))
+        if launch:
+            self.on_copy("launch")
         mark(pytree.tree_leaves(out), target)
         return out
 

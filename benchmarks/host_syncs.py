@@ -1,4 +1,4 @@
-"""Host synchronisations per training step, counted on CPU (not a test).
+"""Host synchronisations and kernel launches per training step, counted on CPU (not a test).
 
     python benchmarks/host_syncs.py -- --precision snip --train-iters 8
     python benchmarks/host_syncs.py --json syncs.json -- --gnmr --precision uniform:fp4
@@ -23,8 +23,14 @@ costs nothing, it is invisible. So this script trains in its own process, on CPU
   project or of megatron-core that asked, and to the step it happened in (its
   ``before_step`` hooks, the step, its ``on_step`` hooks, validation, checkpointing).
 
-It prints, per step, the count and whether the step was logged (``--log-interval``: a logged
-step may read more, for its metrics), then the sources of the median unlogged step.
+It also counts the kernels a GPU run would launch (``launch_count.py``: an op on device
+tensors but a view or an allocation, a collective, a copy between host and device, a
+Triton kernel, each charged to its line like a read): at the sizes we train, a method's
+step time on a GPU follows the host's work per step, launches first, not memory traffic.
+
+It prints, per step, the reads, the launches and whether the step was logged
+(``--log-interval``: a logged step may read more, for its metrics), then the sources of the
+median unlogged step's reads and its top launches (:data:`TOP_LAUNCHES`).
 
 On CPU it also follows where a GPU run would place every tensor (``gpu_shadow.py``: the
 calls that name a device, moves, factories), counts the blocking copies of host data to the
@@ -36,9 +42,13 @@ Triton kernels in Triton's interpreter).
 Limits: code a GPU run does not take (``gpu_shadow.CPU_ONLY``: the formats' amax check reads
 on the host only on CPU; STQuant's compiled CPU step) is listed apart (:data:`EXEMPT`);
 tensors torch makes in its own code stay unknown; only the main thread is seen (not a
-checkpoint writer's). On a GPU the script counts reads only, beside the synchronising CUDA
-calls ``torch.cuda.set_sync_debug_mode("warn")`` reports (the direct check;
-``benchmarks/gpu_check.py --sections syncs``).
+checkpoint writer's). One aten op is one launch: the kernels torch launches inside one op (a
+fused optimizer's, a matmul's) are not counted apart. torch's optimizers take their
+foreach / fused implementations on CUDA tensors only, so with ``--cuda-branches`` too the
+optimizer's launches are its CPU path's (per parameter). On a GPU the script counts reads
+and launches (an op launches when a tensor argument or output is on CUDA, no shadow),
+beside the synchronising CUDA calls ``torch.cuda.set_sync_debug_mode("warn")`` reports (the
+direct check; ``benchmarks/gpu_check.py --sections syncs``).
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 import gpu_shadow  # noqa: E402
+import launch_count  # noqa: E402
 from gpu_shadow import MIXED, mark  # noqa: E402
 from megatron_ext.extension import Extension  # noqa: E402
 
@@ -76,7 +87,7 @@ SYNC_METHODS = ("tolist", "numpy", "cpu")
 PASSED_THROUGH = str(REPO / "megatron_ext" / "compat" / "cpu.py")
 """The CPU patch's function mode sees every call: its caller is charged instead."""
 EXEMPT = {"CPU only": "reads, uploads or mixed-device ops under gpu_shadow.CPU_ONLY"}
-"""Reads listed apart and not counted, by why."""
+"""Reads listed apart and not counted, by why (launches there are dropped)."""
 
 
 def _exemption(frame) -> str | None:
@@ -132,22 +143,25 @@ def _written(func, args, kwargs) -> list:
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts the main thread's host reads of device tensors by step (:meth:`extension`
-    marks the steps and the parameters); on CPU also the blocking uploads and the ops a GPU
-    run would refuse for mixing devices (:mod:`gpu_shadow`)."""
+    """Counts the main thread's host reads of device tensors and kernel launches by step
+    (:meth:`extension` marks the steps and the parameters); on CPU also the blocking uploads
+    and the ops a GPU run would refuse for mixing devices (:mod:`gpu_shadow`)."""
 
     def __init__(self, cuda_branches: bool = False):
         super().__init__()
         self.step = 0  # 0: set-up, before the first step's hooks
         self.reads: dict[int, Counter] = {}  # step -> source -> counted reads
         self.uploads: dict[int, Counter] = {}  # step -> source -> blocking copies to the GPU
+        self.launches: dict[int, Counter] = {}  # step -> source -> kernel launches
         self.exempt: dict[int, Counter] = {}  # step -> EXEMPT key -> reads
         self.mixed: dict[int, Counter] = {}  # step -> "source: op(shapes)" -> times
         self.logged: dict[int, bool] = {}
         self._main = threading.main_thread()
         self._originals = {m: getattr(torch.Tensor, m) for m in SYNC_METHODS}
-        self._inside = threading.local()  # in a wrapped method: its own ops are not reads
-        cuda = torch.cuda.is_available()
+        self._inside = threading.local()  # .on: in a wrapped method or a Triton kernel's
+        # run, whose own ops are not counted
+        self._triton = launch_count.TritonLaunches(lambda: self.record("launch"), self._inside)
+        cuda = self._on_gpu = torch.cuda.is_available()
         self.cuda_syncs: dict[int, int] | None = {} if cuda else None
         """On a GPU: per step, the synchronising CUDA calls ``set_sync_debug_mode`` reports."""
         self._warnings = warnings.catch_warnings()
@@ -158,9 +172,11 @@ class SyncCounter(TorchDispatchMode):
             return
         source, exempt = _source()
         if exempt:
-            self.exempt.setdefault(self.step, Counter())[exempt] += 1
+            if kind != "launch":
+                self.exempt.setdefault(self.step, Counter())[exempt] += 1
         else:
-            table = {"read": self.reads, "upload": self.uploads, MIXED: self.mixed}[kind]
+            table = {"read": self.reads, "upload": self.uploads, "launch": self.launches,
+                     MIXED: self.mixed}[kind]
             table.setdefault(self.step, Counter())[source + what] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -171,6 +187,8 @@ class SyncCounter(TorchDispatchMode):
         elif kind or where and _is_sync(func, args, kwargs):
             self.record(kind or "read")
         out = func(*args, **kwargs)
+        if launch_count.is_launch(func, args, kwargs, out, where, self._on_gpu):
+            self.record("launch")
         if where is not None:
             mark(pytree.tree_leaves(out), where)
             mark(_written(func, args, kwargs) if func.namespace != "c10d" else
@@ -187,9 +205,11 @@ class SyncCounter(TorchDispatchMode):
             warnings.filterwarnings("always", message=".*synchronizing CUDA")  # each one
             self._shown, warnings.showwarning = warnings.showwarning, self._on_warning
             torch.cuda.set_sync_debug_mode("warn")
+        self._triton.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._triton.__exit__(*exc)
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, original)
         if self._shadow is not None:
@@ -211,14 +231,15 @@ class SyncCounter(TorchDispatchMode):
             if not on_device(tensor):
                 return original(tensor, *args, **kwargs)
             self.record()
-            self._inside.on = True
+            self.record("launch")  # the copy to the host
+            was, self._inside.on = getattr(self._inside, "on", False), True
             try:
                 if name == "cpu" and self._shadow is not None:  # on CPU: the tensor itself
                     tensor = tensor.detach().clone()  # a host copy, as on a GPU
                     mark([tensor], False)
                 return original(tensor, *args, **kwargs)
             finally:
-                self._inside.on = False
+                self._inside.on = was
         return method
 
     def extension(self) -> Extension:
@@ -240,6 +261,8 @@ class SyncCounter(TorchDispatchMode):
 
         return [{"step": s, "logged": logged, "count": sum(self.reads.get(s, {}).values()),
                  "sources": per_step(self.reads, s), "exempt": per_step(self.exempt, s),
+                 "launches": sum(self.launches.get(s, {}).values()),
+                 "launch_sources": per_step(self.launches, s),
                  **({} if self._shadow is None else {
                      "uploads": sum(self.uploads.get(s, {}).values()),
                      "upload_sources": per_step(self.uploads, s),
@@ -251,8 +274,8 @@ class SyncCounter(TorchDispatchMode):
 def count(train_args: list[str], cuda_branches: bool = False) -> SyncCounter:
     """Train with ``train_args`` in this process under a :class:`SyncCounter` (its
     :meth:`~SyncCounter.steps` give per step ``{"step", "logged", "count", "sources":
-    {source: reads}, "exempt": {EXEMPT key: reads}}``, on CPU also ``uploads``,
-    ``upload_sources`` and ``mixed``)."""
+    {source: reads}, "exempt": {EXEMPT key: reads}, "launches", "launch_sources"}``, on CPU
+    also ``uploads``, ``upload_sources`` and ``mixed``)."""
     from megatron_ext.defaults import default_extensions
     from megatron_ext.training.pretrain import main
 
@@ -265,23 +288,38 @@ def count(train_args: list[str], cuda_branches: bool = False) -> SyncCounter:
     return counter
 
 
+TOP_LAUNCHES = 15
+"""How many of the median step's launch sources :func:`summary` lists."""
+
+
+def _median(quiet: list[dict], key: str, noun: str) -> tuple[dict, str]:
+    """The median of the unlogged steps by ``key``, and a line saying so."""
+    median = sorted(quiet, key=lambda s: s[key])[len(quiet) // 2]
+    return median, (f"\nmedian unlogged step ({median['step']}): {median[key]} {noun} "
+                    f"(median over the {len(quiet)} unlogged steps: "
+                    f"{statistics.median(s[key] for s in quiet):g})")
+
+
 def summary(steps: list[dict]) -> str:
     cuda, shadow = (bool(steps) and key in steps[0] for key in ("cuda_syncs", "uploads"))
-    lines = ["step  logged  host reads" + ("     uploads" if shadow else "")
+    lines = ["step  logged  host reads    launches" + ("     uploads" if shadow else "")
              + ("  CUDA syncs" if cuda else "") + "  not counted"]
     lines += [f"{s['step']:>4}  {'yes' if s['logged'] else 'no':>6}  {s['count']:>10}  "
-              + (f"{s['uploads']:>10}  " if shadow else "")
+              + f"{s['launches']:>10}  " + (f"{s['uploads']:>10}  " if shadow else "")
               + (f"{s['cuda_syncs']:>10}  " if cuda else "")
               + ", ".join(f"{k} {n}" for k, n in s["exempt"].items()) for s in steps]
     quiet = [s for s in steps if not s["logged"]]
     if quiet:
-        median = sorted(quiet, key=lambda s: s["count"])[len(quiet) // 2]
-        lines.append(f"\nmedian unlogged step ({median['step']}): {median['count']} reads "
-                     f"(median over the {len(quiet)} unlogged steps: "
-                     f"{statistics.median(s['count'] for s in quiet):g}), from")
+        median, line = _median(quiet, "count", "reads")
+        lines.append(line + ", from")
         lines += [f"  {n:>4}  {source}" for source, n in median["sources"].items()]
         lines += [f"  {n:>4}  {source} (upload)"
                   for source, n in median.get("upload_sources", {}).items()]
+        median, line = _median(quiet, "launches", "launches")
+        sources = list(median["launch_sources"].items())
+        lines.append(line + f", the top {min(TOP_LAUNCHES, len(sources))} of {len(sources)} "
+                     "sources")
+        lines += [f"  {n:>4}  {source}" for source, n in sources[:TOP_LAUNCHES]]
     return "\n".join(lines)
 
 

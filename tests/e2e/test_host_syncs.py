@@ -1,13 +1,15 @@
 """benchmarks/host_syncs.py: its counter against hand-made reads (a device tensor's ``item``
-and ``.cpu()`` count, a host tensor's do not), its GPU shadow (``gpu_shadow.py``) against
-hand-made mixed-device ops and uploads, and the composed run (SNIP + GNMR + STQuant)
-reading the host a handful of times per step, not per site: a refresh read 879 times on
-this model when each statistic was a ``float()``, the formats' amax check 144 per step."""
+and ``.cpu()`` count, a host tensor's do not) and launches (``launch_count.py``), its GPU
+shadow (``gpu_shadow.py``) against hand-made mixed-device ops and uploads, and the composed
+run (SNIP + GNMR + STQuant) reading the host a handful of times per step, not per site: a
+refresh read 879 times on this model when each statistic was a ``float()``, the formats'
+amax check 144 per step."""
 
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_ext.methods.snip.tensor_store import TensorStore
@@ -41,6 +43,41 @@ def test_counts_reads_of_device_tensors_only():
         torch.zeros(3).sum().item()  # made on the host: free
     assert sum(counter.reads[0].values()) == 4
     assert not host_syncs.on_device(copy) and host_syncs.on_device(loss)
+
+
+def test_counts_launches_of_ops_on_device_tensors_and_triton_kernels(monkeypatch):
+    """One launch per op on device tensors, per tensor made on the device from none and per
+    copy between host and device; none for a view, an allocation or an op on host tensors;
+    one per Triton kernel run, the ops Triton's interpreter runs for it not counted."""
+    tl = pytest.importorskip("triton.language")
+    # what triton.jit gives under TRITON_INTERPRET=1
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def double(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+    monkeypatch.setattr(gpu_shadow, "OUR_CODE", (*gpu_shadow.OUR_CODE, __file__))
+    counter = host_syncs.SyncCounter()
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    host_syncs.mark([a, b])
+    with counter:
+        host = torch.arange(4.0)  # on the host: none
+        total = a + b  # 1
+        a.view(16), a.t(), a[0], a.detach()  # views: none
+        torch.empty_like(a), torch.empty(4, device=a.device), host * 2  # none
+        torch.zeros(4, device=a.device)  # 2: a fill
+        host.to(a.device, non_blocking=True)  # 3: a copy to the device
+        total.cpu()  # 4 (and a read)
+        kernel = InterpretedFunction(double)
+        # ops inside the kernel's run, on the interpreter's host copy of its argument (its
+        # own copies launch nothing by the rule): not counted, nor is a read there
+        kernel.add_pre_run_hook(lambda x, *rest, **kw: (x.clone(), x.sum().item()))
+        kernel[(1,)](total, 16, BLOCK=16)  # 5
+    assert sum(counter.launches[0].values()) == 5, counter.launches
+    assert sum(counter.reads[0].values()) == 1 and not counter.uploads
+    assert torch.equal(total, 2 * (a + b))  # the kernel ran
+    assert InterpretedFunction.run.__qualname__ == "InterpretedFunction.run"  # unpatched
 
 
 def test_composed_run_reads_the_host_per_step_not_per_site(tmp_path):
@@ -143,3 +180,5 @@ def test_the_gpu_branches_of_the_composed_run_mix_no_devices(tmp_path):
     assert not any(s["exempt"] for s in steps.values())  # no CPU-only code ran
     assert steps[2]["count"] <= 6 and steps[2]["uploads"] <= 1, steps[2]  # 5 and 1
     assert steps[3]["count"] <= 25 and steps[3]["uploads"] <= 8, steps[3]  # the refresh
+    kernels = [src for src in steps[2]["launch_sources"] if "/triton_" in src]
+    assert kernels and steps[2]["launches"] > 100, steps[2]["launch_sources"]  # Triton's seen
