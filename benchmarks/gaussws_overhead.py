@@ -204,11 +204,12 @@ def _train_once(run_dir: Path, flags: list[str], skip: int, script: str) -> dict
     return {**times, "step_cpu_min_s": min(r["step_cpu_s"] for r in steps)}
 
 
-def train_step_times(args, runs: dict[str, list[str]] = TRAIN_RUNS,
-                     script: str = __file__) -> dict:
+def train_step_times(args, runs: dict[str, list[str]] = TRAIN_RUNS, script: str = __file__,
+                     model: str = "tiny Llama, embedded corpus") -> dict:
     """``--train``: run -> per round, the medians of step CPU and wall time (module docstring).
     ``runs``: name -> flags (one named ``plain``, the base of the ratios); ``script`` runs
-    each as a child (its ``__main__`` calls :func:`pretrain_child` after :data:`CHILD`)."""
+    each as a child (its ``__main__`` calls :func:`pretrain_child` after :data:`CHILD`);
+    ``model`` names the runs' model in the printed header."""
     common = ["--train-iters", str(args.train_iters), "--seed", "1234"]
     results = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,7 +219,7 @@ def train_step_times(args, runs: dict[str, list[str]] = TRAIN_RUNS,
                                                  [*common, *flags], args.skip, script))
     keys = ("step_cpu_s", "step_time_s", "step_cpu_min_s")
     base = {k: statistics.median(r[k] for r in results["plain"]) for k in keys}
-    print(f"tiny Llama, embedded corpus, one thread, steps {args.skip + 1}-{args.train_iters}, "
+    print(f"{model}, one thread, steps {args.skip + 1}-{args.train_iters}, "
           f"{args.rounds} rounds: median over rounds of each run's median step")
     w = max(map(len, runs)) + 1
     print(f"{'run':<{w}}{'CPU ms':>8}{'x plain':>9}{'wall ms':>9}{'x plain':>9}{'min CPU':>9}"

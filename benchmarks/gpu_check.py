@@ -59,8 +59,13 @@ TRAIN_CONFIGS = {
     "pgq": ["--precision", "pgq"],
     "pgq plan": ["--precision-plan", "{pgq_plan}"],
     "snip plan": ["--precision-plan", "{snip_plan}"],
+    "bf16 1 sequence": ["--micro-batch-size", "1", "--global-batch-size", "1"],
+    "gaussws 1 sequence": ["--gaussws", "od", "--micro-batch-size", "1",
+                           "--global-batch-size", "1"],
 }
-"""``--precision`` etc. per training row; every row adds :data:`TRAIN_SHAPE`;
+"""``--precision`` etc. per training row on :data:`TRAIN_SHAPE` (:func:`row_flags`: a flag
+the shape names takes the row's value; the ``1 sequence`` rows halve the tokens a step: a
+step whose time stays is the host's, not the GPU's);
 ``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` /
 ``{snip_plan}`` is the last plan the ``pgq`` / ``snip`` row wrote (run that row first): the
 method's overhead is its step time over its own plan's through ``--precision-plan``."""
@@ -79,6 +84,20 @@ SYNC_SHAPE = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "
 TRAIN_SHAPE = ["--model", "tinyllama-1.1b", "--mock-data", "--micro-batch-size", "2",
                "--global-batch-size", "2", "--seq-length", "2048", "--eval-iters", "0",
                "--no-save", "--log-interval", "1"]
+
+
+def row_flags(flags: list[str]) -> list[str]:
+    """:data:`TRAIN_SHAPE` with a training row's flags: a ``--flag value`` the shape names
+    replaces the shape's value, the rest are appended (the project refuses a flag twice)."""
+    shape, rest, i = list(TRAIN_SHAPE), [], 0
+    while i < len(flags):
+        if flags[i] in shape and i + 1 < len(flags):
+            shape[shape.index(flags[i]) + 1] = flags[i + 1]
+            i += 2
+        else:
+            rest.append(flags[i])
+            i += 1
+    return shape + rest
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -151,7 +152,7 @@ def gemm(args, out) -> dict:
 
 def train(args, out) -> dict:
     """Tokens/s and peak memory of each training row at the TinyLlama-1.1B shape."""
-    from benchmarks.gpu_check import TRAIN_CONFIGS, TRAIN_SHAPE
+    from benchmarks.gpu_check import TRAIN_CONFIGS, row_flags
     from megatron_ext.precision.plan import PrecisionPlan, save_plan
     from megatron_ext.precision.site_formats import SiteFormats
     from megatron_ext.sites import all_site_ids
@@ -165,7 +166,7 @@ def train(args, out) -> dict:
     for name in args.train_configs:
         run_dir = out / ("train_" + "".join(c if c.isalnum() else "_" for c in name))
         flags = [f.format(fp8_tensor_plan=plan_file, **plans) for f in TRAIN_CONFIGS[name]]
-        run = _pretrain([*TRAIN_SHAPE, "--train-iters", str(args.train_steps), *flags], run_dir)
+        run = _pretrain([*row_flags(flags), "--train-iters", str(args.train_steps)], run_dir)
         records = [r for r in run.get("records", []) if "tokens_per_s" in r]
         timed = [r for r in records if r["step"] > 3] or records
         row = {"config": name}
@@ -173,6 +174,7 @@ def train(args, out) -> dict:
             row["refresh x step memory"] = _refresh_ratio(run_dir)
         if timed:
             row["tokens/s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
+            row["step ms"] = round(1e3 * statistics.median(r["step_time_s"] for r in timed))
             row["peak GiB"] = round(max(r.get("mem_gib", 0) for r in records), 1)
             row["loss"] = round(records[-1]["loss"], 3)
             row.update(_profile_cost(run_dir, run.get("records", []), timed))
@@ -215,9 +217,10 @@ def _refresh_ratio(run_dir: Path):
 
 
 def syncs(args, out) -> dict:
-    """Host reads per step (``benchmarks/host_syncs.py``, tiny model): the CPU-side count of
-    reads of device tensors beside what ``torch.cuda.set_sync_debug_mode`` reports, per row
-    the median over the normal unlogged steps and the most of any step."""
+    """Host reads and launches per step (``benchmarks/host_syncs.py``, tiny model): the
+    CPU-side count of reads of device tensors beside what ``torch.cuda.set_sync_debug_mode``
+    reports, per row the median over the normal unlogged steps and the most of any step;
+    then the host's time per small launch (:func:`launch_cost`)."""
     from benchmarks.gpu_check import SYNC_CONFIGS, SYNC_SHAPE
 
     rows = []
@@ -234,14 +237,54 @@ def syncs(args, out) -> dict:
             row.update(sync_counts(json.loads(path.read_text())))
         print(json.dumps(row), flush=True)
         rows.append(row)
+    try:
+        rows += launch_cost()
+    except Exception as exc:  # noqa: BLE001 - the counts above stay a result
+        rows.append({"config": "launch cost", "error": f"{type(exc).__name__}: {exc}"})
     return {"rows": rows}
 
 
+def launch_cost() -> list[dict]:
+    """Host microseconds per call of a small launch, the GPU not waited for (what each small
+    per-site op costs a step whose time is the host's): a one-value aten add, the formats'
+    Triton quantizer on one 1 x 128 tile, GaussWS's perturb kernel on one 32 x 32 tile.
+    Empty without a GPU."""
+    if not torch.cuda.is_available():
+        return []
+    from megatron_ext.formats import fake_quant
+    from megatron_ext.methods.gaussws.layout import ShardLayout
+    from megatron_ext.methods.gaussws.triton_kernels import perturb
+
+    one, tile = torch.ones(1, device="cuda"), torch.randn(1, 128, device="cuda").bfloat16()
+    w, scale, layout = torch.randn(32, 32, device="cuda"), torch.ones(1, 1, device="cuda"), \
+        ShardLayout.full(32, 32)
+    rows = layout.global_rows("cuda")
+    probes = {"aten add, 1 value": lambda: one.add(one),
+              "fake_quant fp8_e4m3@tile128, 1 x 128": lambda: fake_quant(tile, "fp8_e4m3@tile128"),
+              "GaussWS perturb, 32 x 32": lambda: perturb(w, scale, layout, 1, rows)}
+    return [{"config": f"launch: {name}", "host us / call": _host_us(fn)}
+            for name, fn in probes.items()]
+
+
+def _host_us(fn, calls: int = 2000) -> float:
+    """Host microseconds per ``fn()`` over ``calls`` calls after a warm-up (compilation)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return round(host / calls * 1e6, 1)
+
+
 def sync_counts(steps: list[dict]) -> dict:
-    """Median and most host reads (and CUDA syncs, on a GPU) per step of a host_syncs run."""
+    """Median and most host reads, the median launches (and CUDA syncs, on a GPU) per step of
+    a host_syncs run."""
     quiet = [s for s in steps if not s["logged"]] or steps
     row = {"reads / step": statistics.median(s["count"] for s in quiet),
-           "most reads": max(s["count"] for s in steps)}
+           "most reads": max(s["count"] for s in steps),
+           "launches / step": statistics.median(s["launches"] for s in quiet)}
     if "cuda_syncs" in steps[0]:
         row.update({"CUDA syncs / step": statistics.median(s["cuda_syncs"] for s in quiet),
                     "most CUDA syncs": max(s["cuda_syncs"] for s in steps)})

@@ -105,9 +105,23 @@ def test_the_syncs_section_runs_host_syncs_and_counts_per_step(tmp_path):
     from benchmarks import gpu_sections
 
     result = gpu_sections.syncs(argparse.Namespace(sync_configs=["uniform:fp8"]), tmp_path)
-    assert result == {"rows": [{"config": "uniform:fp8", "reads / step": 3, "most reads": 3}]}
-    on_gpu = [{"step": 1, "logged": True, "count": 9, "cuda_syncs": 12},
-              {"step": 2, "logged": False, "count": 3, "cuda_syncs": 4},
-              {"step": 3, "logged": False, "count": 5, "cuda_syncs": 6}]
-    assert gpu_sections.sync_counts(on_gpu) == {"reads / step": 4, "most reads": 9,
-                                                "CUDA syncs / step": 5, "most CUDA syncs": 12}
+    [row] = result["rows"]  # no launch-cost rows without a GPU
+    assert row.pop("launches / step") > 100  # the launches' own count: test_host_syncs.py
+    assert row == {"config": "uniform:fp8", "reads / step": 3, "most reads": 3}
+    on_gpu = [{"step": 1, "logged": True, "count": 9, "cuda_syncs": 12, "launches": 900},
+              {"step": 2, "logged": False, "count": 3, "cuda_syncs": 4, "launches": 700},
+              {"step": 3, "logged": False, "count": 5, "cuda_syncs": 6, "launches": 800}]
+    assert gpu_sections.sync_counts(on_gpu) == {
+        "reads / step": 4, "most reads": 9, "launches / step": 750, "CUDA syncs / step": 5,
+        "most CUDA syncs": 12}
+
+
+def test_a_row_flag_the_shape_names_replaces_its_value():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.gpu_check import TRAIN_CONFIGS, TRAIN_SHAPE, row_flags
+
+    flags = row_flags(TRAIN_CONFIGS["gaussws 1 sequence"])
+    assert len(flags) == len(TRAIN_SHAPE) + 2 and flags[-2:] == ["--gaussws", "od"]
+    for name in ("--micro-batch-size", "--global-batch-size"):
+        assert flags.count(name) == 1 and flags[flags.index(name) + 1] == "1"
+    assert row_flags(TRAIN_CONFIGS["stquant"]) == [*TRAIN_SHAPE, "--optimizer", "stquant-adamw"]
