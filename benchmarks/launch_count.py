@@ -1,8 +1,10 @@
 """Which calls launch a GPU kernel, for ``host_syncs.py``'s per-step count of launches.
 
-On a GPU at the sizes we train (TinyLlama-1.1B), a method's step time follows the host's
-work, not memory traffic: each launch costs the host its Python and driver time, and a step
-of many small launches keeps the device waiting for them. A launch, counted one per call, is
+On a GPU each launch costs the host its Python and driver time; a step whose host work
+outlasts its kernels keeps the device waiting, and then a method's many small launches add
+to the step time whatever the kernels cost (BENCHMARKS.md, "Host time of a step": the
+TinyLlama-1.1B step looks like that, not yet confirmed on a GPU). A launch, counted one per
+call, is
 
 * a dispatched aten op on device tensors (:func:`is_launch`): on CPU where the GPU shadow
   places it (``gpu_shadow.check``); on a GPU where a tensor argument or output is on CUDA.

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import cdiv
+
 __all__ = ["error_sums_1d"]
 
 BLOCK = 4096
@@ -31,7 +33,7 @@ def _error_sums_kernel(t_ptr, q_ptr, partial_ptr, n, BLOCK: tl.constexpr):
 def error_sums_1d(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``[underflow, Σ (t − q)², Σ t²]`` of two contiguous 1-D float tensors, float64."""
     n = t.numel()
-    programs = max(1, triton.cdiv(n, BLOCK))
+    programs = max(1, cdiv(n, BLOCK))
     partial = torch.empty(programs, 3, dtype=torch.float64, device=t.device)
     if n == 0:
         return partial.zero_().sum(0)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import cdiv
 from .triton_kernels import _factors, _round_grid
 
 __all__ = ["quantize_blocks", "scale_and_cast"]
@@ -62,7 +63,7 @@ def scale_and_cast(t: torch.Tensor, amax: torch.Tensor, block_rows: int, block_c
     out = torch.empty(rows, cols, dtype=dtype, device=t.device)
     amax = amax.contiguous()
     scale = torch.empty(amax.shape, dtype=torch.float32, device=t.device)
-    grid = (triton.cdiv(rows, _BLOCK), triton.cdiv(cols, _BLOCK))
+    grid = (cdiv(rows, _BLOCK), cdiv(cols, _BLOCK))
     _scale_cast_kernel[grid](
         t, amax, out, scale, rows, cols, t.stride(0), t.stride(1), block_rows, block_cols,
         amax.shape[1], BLOCK=_BLOCK, ELEM_MAX=float(element.max), ELEM_EMAX=element.emax,
@@ -114,7 +115,7 @@ def quantize_blocks(t: torch.Tensor, fmt, dtype: torch.dtype):
     block_m = group_m if group_m > 1 else 32
     out = torch.empty(rows, cols, dtype=dtype, device=t.device)
     scale = torch.empty(rows // group_m, cols // s.cols, dtype=torch.float32, device=t.device)
-    grid = (triton.cdiv(rows, block_m), cols // s.cols)
+    grid = (cdiv(rows, block_m), cols // s.cols)
     _quantize_blocks_kernel[grid](
         t, out, scale, rows, cols, t.stride(0), t.stride(1), scale.shape[1],
         BLOCK_M=block_m, GROUP_M=group_m, BLOCK_K=s.cols, ELEM_MAX=float(e.max),

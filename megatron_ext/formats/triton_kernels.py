@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .elements import FloatElement, IntElement
+from .grid import cdiv, next_power_of_2
 from .registry import Format
 from .scaling import AmaxScaling, MXScaling, NVScaling
 
@@ -267,10 +268,10 @@ def _tile(rows: int, cols: int, scale_rows: int, scale_cols: int) -> tuple[int, 
     """(BLOCK_M, BLOCK_K) of the two-pass kernels: about ``TILE_ELEMS`` values, as wide as
     ``cols`` allows (up to 1024), inside one scale block of ``scale_rows x scale_cols``
     (powers of two where smaller than the tensor)."""
-    block_k = min(1024, triton.next_power_of_2(cols))
+    block_k = min(1024, next_power_of_2(cols))
     if scale_cols < cols:
         block_k = min(block_k, scale_cols)
-    block_m = min(TILE_ELEMS // block_k, triton.next_power_of_2(rows))
+    block_m = min(TILE_ELEMS // block_k, next_power_of_2(rows))
     if scale_rows < rows:
         block_m = min(block_m, scale_rows)
     return block_m, block_k
@@ -281,10 +282,10 @@ def block_amax(x: torch.Tensor, scale_rows: int, scale_cols: int) -> torch.Tenso
     contiguous 2-D ``x``, as float32 ``(ceil(rows / scale_rows), ceil(cols / scale_cols))``
     (power-of-two block sides, or the whole dimension)."""
     rows, cols = x.shape
-    amax = torch.zeros(triton.cdiv(rows, scale_rows), triton.cdiv(cols, scale_cols),
+    amax = torch.zeros(cdiv(rows, scale_rows), cdiv(cols, scale_cols),
                        dtype=torch.int32, device=x.device)  # fmt: skip
     block_m, block_k = _tile(rows, cols, scale_rows, scale_cols)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k))
+    grid = (cdiv(rows, block_m), cdiv(cols, block_k))
     _amax_kernel[grid](
         x, amax, rows, cols, scale_rows, scale_cols, amax.shape[1],
         BLOCK_M=block_m, BLOCK_K=block_k, PER_ROW=scale_rows == 1, num_warps=8,
@@ -328,7 +329,7 @@ def fake_quant_2d(
     (``tensor_amax``: the whole tensor's when ``x`` is a shard, as in ``fake_quant``)."""
     s = fmt.scaling
     if isinstance(s, AmaxScaling) and s.rows == 1 and s.cols is None:  # per row
-        block_k = triton.next_power_of_2(x.shape[1])
+        block_k = next_power_of_2(x.shape[1])
         if block_k <= ROW_FUSED_MAX // (2 if fmt.stochastic else 1):  # a row per program
             return _fused(x, fmt, generator, tensor_amax, block_k)
     if isinstance(s, AmaxScaling) and (s.rows != 1 or s.cols is None):
@@ -363,7 +364,7 @@ def _fused(x, fmt, generator, amax, block_k: int) -> torch.Tensor:
     num_blocks = max(1, 128 // block_k)
     block_m = max(1, min(32, 8192 // (num_blocks * block_k)))
     elems = block_m * num_blocks * block_k
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, num_blocks * block_k))
+    grid = (cdiv(rows, block_m), cdiv(cols, num_blocks * block_k))
     y = torch.empty_like(x)
     _fused_kernel[grid](
         x, y, rows, cols, amax, BLOCK_M=block_m, NUM_BLOCKS=num_blocks, BLOCK_K=block_k,
@@ -385,7 +386,7 @@ def _two_pass(x, fmt, generator, amax) -> torch.Tensor:
     else:
         amax = block_amax(x, scale_rows, scale_cols)
     block_m, block_k = _tile(rows, cols, scale_rows, scale_cols)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k))
+    grid = (cdiv(rows, block_m), cdiv(cols, block_k))
     y = torch.empty_like(x)
     _apply_kernel[grid](
         x, y, amax.view(torch.int32), rows, cols, scale_rows, scale_cols, amax.shape[1],

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_ext.formats.grid import cdiv, next_power_of_2
+
 from .layout import ShardLayout
 from .noise import GAMMA, as_int64, draws_per_row
 
@@ -95,7 +97,7 @@ def perturb(w: torch.Tensor, scale: torch.Tensor, layout: ShardLayout, key: int,
     rows = layout.global_rows(w.device) if rows is None else rows
     out = torch.empty_like(w)
     block_r, block_c = 32, 64
-    grid = (triton.cdiv(w.shape[0], block_r), triton.cdiv(w.shape[1], block_c))
+    grid = (cdiv(w.shape[0], block_r), cdiv(w.shape[1], block_c))
     _perturb_kernel[grid](
         w.view(torch.int16) if bf16 else w, rows, scale.contiguous(),
         out.view(torch.int16) if bf16 else out, w.shape[0], w.shape[1], layout.col_range[0],
@@ -132,9 +134,9 @@ def noise_dot(grad: torch.Tensor, rows: torch.Tensor, layout: ShardLayout, key: 
     n_tiles = -(-(c0 % b + c1 - c0) // b)
     out = torch.empty(grad.shape[0], n_tiles, dtype=torch.float32, device=grad.device)
     block_r = 32
-    _noise_dot_kernel[(triton.cdiv(grad.shape[0], block_r), n_tiles)](
+    _noise_dot_kernel[(cdiv(grad.shape[0], block_r), n_tiles)](
         grad.view(torch.int16) if bf16 else grad, rows, out, grad.shape[0], grad.shape[1],
         n_tiles, c0, draws_per_row(layout.full_shape[1]), as_int64(key + GAMMA),
-        BLOCK=b, BLOCK_P=triton.next_power_of_2(b), BLOCK_R=block_r, BF16=bf16,
+        BLOCK=b, BLOCK_P=next_power_of_2(b), BLOCK_R=block_r, BF16=bf16,
     )  # fmt: skip
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_ext.formats.grid import cdiv
 from megatron_ext.methods.stquant.quantizer import QState, empty_state, log_tables
 
 __all__ = ["ROWS", "step", "supports"]
@@ -197,7 +198,7 @@ def step(p: torch.Tensor, grad: torch.Tensor, m: QState, v: QState, bits: int,
     rungs = log_tables(m.bits, p.device)[0] if m.bits != 32 else dummy
     cuts = log_tables(bits, p.device)[1] if bits != 32 else dummy
     s = scalars
-    _step_kernel[(triton.cdiv(nblocks, ROWS),)](
+    _step_kernel[(cdiv(nblocks, ROWS),)](
         p, grad, m.codes, m.scales if m.bits != 32 else dummy, v.codes,
         v.scales if v.bits != 32 else dummy, m_new.codes, m_new.scales if bits != 32 else dummy,
         v_new.codes, v_new.scales if bits != 32 else dummy, rungs, cuts,

@@ -1,0 +1,17 @@
+"""Kernel-grid arithmetic on the host, in plain Python.
+
+In triton 3.x ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: a
+call from host code unwraps each argument first, about a microsecond a call where these
+take tens of nanoseconds. A quantizer call makes up to ten of them, and a GPU step whose
+time is the host's pays each (BENCHMARKS.md, "Host time of a step").
+"""
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of integers."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n`` >= 1)."""
+    return 1 << (n - 1).bit_length()
