@@ -75,6 +75,7 @@ def run(name: str, cuda_branches: bool, out: Path) -> dict:
         quiet = [s for s in steps if not s["logged"]] or steps
         row |= {"reads": statistics.median(s["count"] for s in quiet),
                 "uploads": statistics.median(s["uploads"] for s in quiet),
+                "launches": statistics.median(s["launches"] for s in quiet),
                 "most reads": max(s["count"] for s in steps),
                 "most uploads": max(s["uploads"] for s in steps)}
     elif not row["mixed"]:
@@ -83,15 +84,16 @@ def run(name: str, cuda_branches: bool, out: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | side | ranks | result | reads / uploads, median unlogged step | most |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| config | side | ranks | result | reads / uploads, median unlogged step | most "
+             "| launches, median unlogged step |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         result = "ok" if r["rc"] == 0 else (f"**{len(r['mixed'])} mixed**" if r["mixed"]
                                             else f"**failed ({r['rc']})**")
         per_step = f"{r['reads']:g} / {r['uploads']:g}" if "reads" in r else ""
         most = f"{r['most reads']} / {r['most uploads']}" if "reads" in r else ""
+        launches = f"{r['launches']:g}" if "reads" in r else ""
         lines.append(f"| {r['config']} | {r['side']} | {r['ranks']} | {result} | {per_step} | "
-                     f"{most} |")
+                     f"{most} | {launches} |")
     return "\n".join(lines) + "\n"
 
 
