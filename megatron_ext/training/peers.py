@@ -26,8 +26,9 @@ import os
 import re
 import signal
 import socket
-import threading
 import sys
+import threading
+import time
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -35,6 +36,11 @@ import torch.distributed as dist
 _CONNECTION_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|"
                               r"[Tt]imeout|NCCL communicator was aborted|remote process exit")
 """What gloo and NCCL say when a peer is gone or silent."""
+_TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
+"""The part of :data:`_CONNECTION_LOST` that means a silent peer, not a closed connection."""
+SETTLE_S = 2.0
+"""Seconds a closed connection waits for its dead peer to show in ``/proc`` (then: "lost a
+peer on another host")."""
 
 
 class _Peers:
@@ -95,10 +101,23 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def describe(error: str) -> str:
-    """The one line for a communication error whose message is ``error``."""
+def settled_lost_ranks(error: str) -> tuple[list[int], list[int]]:
+    """:func:`lost_ranks`, given up to :data:`SETTLE_S` to show a peer whose connection
+    closed (``error`` not a timeout): a killed process closes its sockets before ``/proc``
+    shows it ended, so the first look can come too early."""
     gone, stopped = lost_ranks()
-    timed_out = re.search(r"[Tt]imed out|[Tt]imeout", error) is not None
+    deadline = time.monotonic() + SETTLE_S
+    while not (gone or stopped or _TIMED_OUT.search(error)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gone, stopped = lost_ranks()
+    return gone, stopped
+
+
+def describe(error: str, lost: tuple[list[int], list[int]] | None = None) -> str:
+    """The one line for a communication error whose message is ``error`` (``lost``: the
+    (gone, stopped) ranks when already looked up)."""
+    gone, stopped = lost if lost is not None else settled_lost_ranks(error)
+    timed_out = _TIMED_OUT.search(error) is not None
     if gone:
         what = f"lost {_ranks(gone)} (its process ended)"
     elif stopped:
@@ -117,9 +136,9 @@ def _is_peer_loss(exc: BaseException) -> bool:
 
 def _report_and_exit(error: str) -> None:
     """Print the one line (lowest surviving rank only) and end this process with status 2."""
-    gone = set(lost_ranks()[0])
-    if dist.get_rank() == min(set(range(len(_PEERS.table))) - gone):
-        print(f"error: {describe(error)}", file=sys.stderr, flush=True)
+    lost = settled_lost_ranks(error)
+    if dist.get_rank() == min(set(range(len(_PEERS.table))) - set(lost[0])):
+        print(f"error: {describe(error, lost)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(2)
 

@@ -98,7 +98,8 @@ def test_bit_width_statistics_of_all_sites_at_once():
     for sid, shape in {"L0.proj": (64, 64), "L1.fc2": (70, 100)}.items():
         weight = GaussWSWeight(ShardLayout.full(*shape), config)
         with torch.no_grad():
-            weight.b_i.uniform_(0.0, 1.2)
+            weight.b_i.uniform_(0.0, 1.2, generator=torch.Generator().manual_seed(5))
+            weight.b_i.view(-1)[0] = 1.2  # b_t = 6.8: above the FP8 bound
         sites.modules[sid] = SimpleNamespace(gaussws=weight, formats=formats[sid],
                                              weight=torch.zeros(1))
     got = sites.stats(["L1.fc2", "L0.proj"])
