@@ -1,6 +1,6 @@
-"""Registers, stack and SASS length of the formats package's Triton kernels compiled for an
-H100 (sm_90), on a machine without a GPU (not a test; ``tests/unit/formats/test_triton_sm90.py``
-asserts no spills from the same compiles).
+"""Registers, stack and SASS length of the Triton kernels (the formats package's, GaussWS's)
+compiled for an H100 (sm_90), on a machine without a GPU (not a test;
+``tests/unit/formats/test_triton_sm90.py`` asserts no spills from the same compiles).
 
     python benchmarks/triton_sm90.py                   # one row per launch plan
     PYTHONPATH=OLD_CHECKOUT python benchmarks/triton_sm90.py   # another commit's kernels
@@ -65,6 +65,17 @@ def _error_sums():
             dict(BLOCK=triton_error.BLOCK), 8)
 
 
+def _gaussws(kernel: str):
+    from megatron_ext.methods.gaussws import triton_kernels as gk
+
+    types = {"rows_ptr": "*i64", "scale_ptr": "*fp32", "out_ptr": "*fp32", "key_gamma": "i64"}
+    if kernel == "noise_dot":  # BF16 gradients, read as int16
+        return (gk._noise_dot_kernel, {**types, "grad_ptr": "*i16"},
+                dict(BLOCK=32, BLOCK_P=32, BLOCK_R=32, BF16=True), 4)
+    return (gk._perturb_kernel, {**types, "w_ptr": "*i16", "out_ptr": "*i16"},
+            dict(BLOCK=32, BLOCK_R=32, BLOCK_C=64, BF16=True), 4)
+
+
 CASES = {  # the launchers' sizes: 32 values a thread, 16 with stochastic rounding
     "fused 1x128 tiles": lambda: _fused("fp8_e4m3@tile128", 32, 128, 4),
     "fused 1x128 tiles, +sr": lambda: _fused("fp4_e2m1@tile128+sr", 32, 128, 8),
@@ -75,6 +86,8 @@ CASES = {  # the launchers' sizes: 32 values a thread, 16 with stochastic roundi
     "two-pass apply, fp4_e2m1": lambda: _apply("fp4_e2m1"),
     "two-pass apply, +sr": lambda: _apply("fp4_e2m1+sr"),
     "error sums": _error_sums,
+    "GaussWS perturb, BF16": lambda: _gaussws("perturb"),
+    "GaussWS eq. 3 sums, BF16": lambda: _gaussws("noise_dot"),
 }
 """Plan -> a builder of (kernel, pointer types, constexprs, warps), as launched (the test
 asserts each compiles without spills)."""
