@@ -25,8 +25,9 @@ costs nothing, it is invisible. So this script trains in its own process, on CPU
 
 It also counts the kernels a GPU run would launch (``launch_count.py``: an op on device
 tensors but a view or an allocation, a collective, a copy between host and device, a
-Triton kernel, each charged to its line like a read): at the sizes we train, a method's
-step time on a GPU follows the host's work per step, launches first, not memory traffic.
+Triton kernel, each charged to its line like a read): where a GPU step waits for its host,
+a method's step time follows its launches, not its memory traffic (BENCHMARKS.md, "Host
+time of a step").
 
 It prints, per step, the reads, the launches and whether the step was logged
 (``--log-interval``: a logged step may read more, for its metrics), then the sources of the
