@@ -186,3 +186,21 @@ def test_row_chunking_changes_nothing(monkeypatch):
     monkeypatch.setattr(sampling, "CHUNK_ELEMS", 100)  # two rows per chunk
     chunked = (sampling.perturb(w, scale, layout, KEY), sampling.noise_dot(w, layout, KEY))
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels take CUDA tensors")
+def test_the_cuda_kernels_give_the_torch_paths_values():
+    """On a GPU: ŵ bit for bit, eq. 3's sums to float32 rounding of the float64 ones (the
+    interpreter cases check the same kernels' logic on CPU; this checks their compile)."""
+    layout = ShardLayout.tensor_parallel((128, 352), 2, 1, dim=1)  # a shard cutting a tile
+    w = torch.randn(layout.shape, generator=_gen()).bfloat16()
+    bits = 2 + 6 * torch.rand(layout.grid_shape, generator=_gen(1))
+    scale = sampling.block_scale(local_block_amax(w, layout), bits)
+    expected = sampling.perturb(w, scale, layout, KEY)
+    got = sampling.perturb(w.cuda(), scale.cuda(), layout, KEY)
+    assert got.is_cuda and torch.equal(got.cpu().view(torch.int16), expected.view(torch.int16))
+    grad = torch.randn(layout.shape, generator=_gen(2)).bfloat16()
+    reference = sampling.noise_dot(grad.double(), layout, KEY)
+    dot = sampling.noise_dot(grad.cuda(), layout, KEY)
+    assert dot.is_cuda and dot.dtype == torch.float32 and reference.abs().max() > 1
+    torch.testing.assert_close(dot.cpu().double(), reference, rtol=1e-5, atol=1e-3)
