@@ -256,8 +256,8 @@ def launch_cost() -> list[dict]:
     from megatron_ext.methods.gaussws.triton_kernels import perturb
 
     one, tile = torch.ones(1, device="cuda"), torch.randn(1, 128, device="cuda").bfloat16()
-    w, scale, layout = torch.randn(32, 32, device="cuda"), torch.ones(1, 1, device="cuda"), \
-        ShardLayout.full(32, 32)
+    w, scale = torch.randn(32, 32, device="cuda"), torch.ones(1, 1, device="cuda")
+    layout = ShardLayout.full(32, 32)
     rows = layout.global_rows("cuda")
     probes = {"aten add, 1 value": lambda: one.add(one),
               "fake_quant fp8_e4m3@tile128, 1 x 128": lambda: fake_quant(tile, "fp8_e4m3@tile128"),
