@@ -5,8 +5,9 @@
 
 For each model, trains ``fp32`` (megatron's own linears) and each ``--precision`` run for
 ``--train-iters`` steps, ``--repeats`` rounds interleaved (so that load from other jobs hits
-every run alike), and prints the median step time (steps after the first ``--skip``) and its
-ratio to ``fp32``. On a CPU the quantized runs can only be slower: fake quantization adds
+every run alike), and prints the median step time (steps after the first ``--skip``), its
+ratio to ``fp32`` and the run's peak memory (``mem_gib``: peak RSS on CPU, the allocator's
+peak on a GPU; the largest over the rounds). On a CPU the quantized runs can only be slower: fake quantization adds
 memory-bound passes over every GEMM operand (5 per site and step with 128x128-block weights:
 x twice, w once, dy twice) and saves no GEMM time. ``wide`` has 4x the hidden size of
 ``tiny``: GEMM work grows with N*K per token, quantization with N + K, so the ratio shrinks.
@@ -50,22 +51,24 @@ def main(argv=None) -> None:
     common = ["--train-iters", str(args.train_iters), "--log-interval", "1", "--eval-iters", "0",
               *(["--mock-data"] if args.mock_data else [])]
     for model in args.models:
-        medians = {run: [] for run in args.runs}
+        medians, peaks = {run: [] for run in args.runs}, {run: [] for run in args.runs}
         with tempfile.TemporaryDirectory() as tmp:
             for round_ in range(args.repeats):
                 for run in args.runs:
                     flags = [*common, *MODELS[model], *precision_flags(run)]
-                    times = step_times(train(f"{run}-{round_}", flags, Path(tmp)), args.skip)
-                    medians[run].append(statistics.median(times))
+                    records = train(f"{run}-{round_}", flags, Path(tmp))
+                    medians[run].append(statistics.median(step_times(records, args.skip)))
+                    peaks[run] += [r["mem_gib"] for r in records if "mem_gib" in r]
         base = statistics.median(medians["fp32"]) if "fp32" in medians else None
         print(f"\n{model}: median step time over {args.repeats} rounds "
               f"(steps {args.skip + 1}-{args.train_iters})")
-        print(f"{'run':<14}{'ms/step':>9}{'vs fp32':>9}   rounds (ms)")
+        print(f"{'run':<20}{'ms/step':>9}{'vs fp32':>9}{'peak GiB':>10}   rounds (ms)")
         for run, values in medians.items():
             ms = 1e3 * statistics.median(values)
             ratio = f"{ms / (1e3 * base):8.2f}x" if base else ""
             rounds = " ".join(f"{1e3 * v:.0f}" for v in values)
-            print(f"{run:<14}{ms:9.0f}{ratio:>9}   {rounds}", flush=True)
+            peak = f"{max(peaks[run]):10.2f}" if peaks[run] else f"{'':10}"
+            print(f"{run:<20}{ms:9.0f}{ratio:>9}{peak}   {rounds}", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,11 @@ forward/backward mismatch an oscillation risk). A **128x128 block** is the same 
 either side, so a block-scaled weight is quantized once and the same ``q(w)`` serves fprop and
 dgrad (DeepSeek-V3's choice, which SNIP follows: 1x128 tiles for x and dy, 128x128 blocks for
 w); :attr:`GemmOperands.dgrad_reuses_fprop_w` says when that holds, and then the quantized
-weight is what backward keeps.
+weight is what backward keeps. Likewise for ``x`` and ``dy`` in a format that ignores the axis
+(:func:`~.site_formats.same_either_way`: one scale per tensor, square blocks): the forward
+keeps ``q(x)`` in ``x``'s place and wgrad reads it, and wgrad reads dgrad's ``q(dy)``
+transposed (``GemmOperands.wgrad_reuses_fprop_x`` / ``wgrad_reuses_dgrad_dy``) — three
+quantizations per site and micro-batch instead of five for ``uniform:fp4-tensor``.
 
 Everything else stays high precision: the GEMM's output is in the operands' dtype (BF16 or
 FP32 — on hardware an FP32 accumulator written out in that dtype), the bias and its gradient
@@ -126,26 +130,27 @@ class QuantizedGemm(torch.autograd.Function):
                 ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None,
                 real: bool = False):
         x2 = x.reshape(-1, x.shape[-1])
-        kept_x, fp8_x = x, (None, None)
+        wgrad_real = real and _wgrad_runs_real(ops, x2, weight)
+        kept_x, fp8_x, x_quantized = x, (None, None), False
         if real and runs_real(ops.fprop_x, ops.fprop_w, x2, weight):
             qx = _to_fp8(x2, ops.fprop_x, group)
             output = scaled_mm(qx, _to_fp8(weight, ops.fprop_w, group), x.dtype)
             output = output.view(*x.shape[:-1], output.shape[-1])
             kept_w = weight  # dgrad quantizes w itself (the same q(w) for square blocks)
-            tokens, k = x2.shape  # wgrad's operands dy.T (N, T), x.T (K, T), shapes only:
-            wgrad = (x2.as_strided((weight.shape[0], tokens), (0, 0)),
-                     x2.as_strided((k, tokens), (0, 0)))
-            if (ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x)
-                    and runs_real(ops.wgrad_dy, ops.wgrad_x, *wgrad)):
+            if wgrad_real and ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x):
                 kept_x, fp8_x = None, (qx.data, qx.scale)  # wgrad reads q(x): keep it in FP8
         else:
             w_fprop = quantize(weight, ops.fprop_w, axis=1, group=group)
-            output = torch.matmul(quantize(x, ops.fprop_x, axis=-1, group=group), w_fprop.t())
+            qx = quantize(x, ops.fprop_x, axis=-1, group=group)
+            output = torch.matmul(qx, w_fprop.t())
             kept_w = w_fprop if ops.dgrad_reuses_fprop_w else weight
+            if not wgrad_real and ops.wgrad_reuses_fprop_x:
+                kept_x, x_quantized = qx, True  # also wgrad's q(x) along T: kept instead of x
         if bias is not None:
             output = output + bias
-        ctx.ops, ctx.group, ctx.use_bias, ctx.real = ops, group, bias is not None, real
-        ctx.w_quantized, ctx.x_shape = kept_w is not weight, x.shape
+        ctx.ops, ctx.group, ctx.use_bias = ops, group, bias is not None
+        ctx.real, ctx.wgrad_real = real, wgrad_real
+        ctx.w_quantized, ctx.x_quantized = kept_w is not weight, x_quantized
         ctx.rebuild = recompute.rebuild if recompute is not None else None
         ctx.save_for_backward(kept_x, recompute.source if recompute is not None else kept_w,
                               *fp8_x)
@@ -168,6 +173,14 @@ class QuantizedGemm(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
+def _wgrad_runs_real(ops: GemmOperands, x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether wgrad's operands dy.T (N, T) and x.T (K, T) can run a real FP8 GEMM (their
+    shapes, from the forward's ``x2 (T, K)`` and ``weight (N, K)``)."""
+    tokens, k = x2.shape
+    return runs_real(ops.wgrad_dy, ops.wgrad_x, x2.as_strided((weight.shape[0], tokens), (0, 0)),
+                     x2.as_strided((k, tokens), (0, 0)))
+
+
 def _to_fp8(t: torch.Tensor, fmt: Format, group) -> Fp8Operand:
     """``t`` in FP8 (:func:`~megatron_ext.formats.fp8.to_fp8`), TP shards scaled as wholes."""
     return to_fp8(t, fmt, whole_tensor_amax(t, fmt, group))
@@ -175,33 +188,37 @@ def _to_fp8(t: torch.Tensor, fmt: Format, group) -> Fp8Operand:
 
 def _dgrad(ctx, dy: torch.Tensor, saved: torch.Tensor):
     """``(dx, q(dy))``: dx = q(dy) @ q(w) with ``dy`` flattened to ``(T, N)``, real FP8 where
-    the forward kept the unquantized weight and the formats allow (then ``q(dy)`` is kept
-    for wgrad), else emulated (``q(dy)`` None)."""
+    the forward kept the unquantized weight and the formats allow (``q(dy)`` in FP8, kept
+    for wgrad), else emulated (``q(dy)`` fake-quantized where wgrad reuses it, else None)."""
     ops = ctx.ops
     if ctx.real and not ctx.w_quantized:
         w = ctx.rebuild(saved) if ctx.rebuild is not None else saved
         if runs_real(ops.dgrad_dy, ops.dgrad_w, dy, w.t()):
             qdy = _to_fp8(dy, ops.dgrad_dy, ctx.group)
             return scaled_mm(qdy, _to_fp8(w.t(), ops.dgrad_w, ctx.group), dy.dtype), qdy
-    grad_input = torch.matmul(quantize(dy, ops.dgrad_dy, -1, ctx.group), _dgrad_weight(ctx, saved))
-    return grad_input, None
+    qdy = quantize(dy, ops.dgrad_dy, -1, ctx.group)
+    reused = qdy if not ctx.wgrad_real and ops.wgrad_reuses_dgrad_dy else None
+    return torch.matmul(qdy, _dgrad_weight(ctx, saved)), reused
 
 
-def _wgrad(ctx, dy: torch.Tensor, qdy: Fp8Operand | None, x: torch.Tensor | None,
-           qx: Fp8Operand | None) -> torch.Tensor:
+def _wgrad(ctx, dy: torch.Tensor, qdy: Fp8Operand | torch.Tensor | None,
+           x: torch.Tensor | None, qx: Fp8Operand | None) -> torch.Tensor:
     """dw = q(dy).T @ q(x), both along T: real FP8 where the formats allow, reusing dgrad's
     ``q(dy)`` and the forward's FP8 ``q(x)`` transposed where their formats are axis-free;
-    else emulated (quantize dy.T (N, T) and x.T (K, T) along their last dim, which
-    fake_quant does without transposing its result back)."""
+    else emulated: dgrad's fake-quantized ``q(dy)`` and the forward's ``q(x)`` where they
+    serve along T too (:func:`.site_formats.same_either_way`), otherwise dy.T (N, T) and
+    x.T (K, T) quantized along their last dim (fake_quant does not transpose back)."""
     ops, group = ctx.ops, ctx.group
     x2 = x.contiguous().view(-1, x.shape[-1]) if x is not None else None
-    if qx is not None or (ctx.real and runs_real(ops.wgrad_dy, ops.wgrad_x, dy.t(), x2.t())):
-        reuse_dy = qdy is not None and ops.wgrad_dy == ops.dgrad_dy and axis_free(ops.wgrad_dy)
+    if ctx.wgrad_real:
+        reuse_dy = (isinstance(qdy, Fp8Operand) and ops.wgrad_dy == ops.dgrad_dy
+                    and axis_free(ops.wgrad_dy))
         a = transposed(qdy) if reuse_dy else _to_fp8(dy.t(), ops.wgrad_dy, group)
         b = transposed(qx) if qx is not None else _to_fp8(x2.t(), ops.wgrad_x, group)
         return scaled_mm(a, b, dy.dtype)
-    return torch.matmul(quantize(dy.t(), ops.wgrad_dy, -1, group),
-                        quantize(x2.t(), ops.wgrad_x, -1, group).t())
+    a = qdy.t() if isinstance(qdy, torch.Tensor) else quantize(dy.t(), ops.wgrad_dy, -1, group)
+    b = x2 if ctx.x_quantized else quantize(x2.t(), ops.wgrad_x, -1, group).t()
+    return torch.matmul(a, b)
 
 
 def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ import torch
 
 from megatron_ext.formats import Format, get_format
 from megatron_ext.formats.fp8 import FP8_DTYPES, Fp8Operand, block_shape, is_fp8_format, to_fp8
+from megatron_ext.precision.site_formats import same_either_way
 
 EXECUTION_CHOICES = ("auto", "real", "emulated")
 """``--fp8-execution`` values (see :func:`wants_real`)."""
@@ -98,10 +99,10 @@ def runs_real(fmt_a: Format | None, fmt_b: Format | None, a, b) -> bool:
 
 
 def axis_free(fmt: Format | None) -> bool:
-    """Whether an operand quantized in ``fmt`` along one axis equals it quantized along the
-    other (one scale per tensor, square blocks; deterministic): its FP8 data then serves both
-    GEMMs that read it, transposed (:func:`transposed`)."""
-    return is_fp8_format(fmt) and fmt.scaling.rows == fmt.scaling.cols
+    """Whether ``fmt`` is FP8 and :func:`~.site_formats.same_either_way` (one scale per
+    tensor, square blocks): its FP8 data then serves both GEMMs that read the operand,
+    transposed (:func:`transposed`)."""
+    return is_fp8_format(fmt) and same_either_way(fmt)
 
 
 def transposed(op: Fp8Operand) -> Fp8Operand:

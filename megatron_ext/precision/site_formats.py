@@ -107,11 +107,26 @@ class GemmOperands:
 
     @property
     def dgrad_reuses_fprop_w(self) -> bool:
-        """dgrad's w equals fprop's w transposed: same format, deterministic, and blocks that
-        do not care about the axis (square blocks, per tensor, casts) — 128x128 weights."""
-        fmt = self.fprop_w
-        return fmt == self.dgrad_w and (fmt is None or (
-            not fmt.stochastic and fmt.scaling.rows == fmt.scaling.cols))
+        """dgrad's w equals fprop's w transposed (:func:`same_either_way`) — 128x128 weights."""
+        return self.dgrad_w == self.fprop_w and same_either_way(self.fprop_w)
+
+    @property
+    def wgrad_reuses_fprop_x(self) -> bool:
+        """wgrad's x (along T) equals fprop's q(x) (along K): per-tensor or square-block x."""
+        return self.wgrad_x == self.fprop_x and same_either_way(self.fprop_x)
+
+    @property
+    def wgrad_reuses_dgrad_dy(self) -> bool:
+        """wgrad's dy (along T) equals dgrad's q(dy) (along N): per-tensor or square-block dy."""
+        return self.wgrad_dy == self.dgrad_dy and same_either_way(self.dgrad_dy)
+
+
+def same_either_way(fmt: Format | None) -> bool:
+    """Whether a tensor quantized in ``fmt`` along one axis equals it quantized along the
+    other, bit for bit: deterministic rounding and blocks that do not care about the axis
+    (one scale per tensor, square blocks, plain casts, passthrough). Then one quantization
+    serves both GEMMs that read the operand, the second one transposed."""
+    return fmt is None or (not fmt.stochastic and fmt.scaling.rows == fmt.scaling.cols)
 
 
 @lru_cache(maxsize=None)

@@ -7,6 +7,7 @@ import torch
 from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
 
 from megatron_ext.formats import fake_quant
+from megatron_ext.precision import gemm
 from megatron_ext.precision.gemm import quantized_gemm
 from megatron_ext.precision.policies import UNIFORM
 from megatron_ext.precision.site_formats import SiteFormats, resolve
@@ -22,6 +23,8 @@ CASES = {
                                        "fp4_e2m1@tile128"),
     "mx-nv": SiteFormats("mxfp8", "nvfp4", "mxfp4"),
     "per-gemm-overrides": FP8_MIXED,
+    "fp4-per-tensor": UNIFORM["fp4-tensor"],  # q(x) and q(dy) serve two GEMMs each
+    "square-blocks": SiteFormats("fp8_e4m3@block128", "fp4_e2m1", "fp4_e2m1@block128"),
 }
 
 
@@ -35,9 +38,9 @@ def _tensors(seed=0, dtype=torch.float32):
     return x, w, b, dy
 
 
-def _run(x, w, b, dy, formats):
+def _run(x, w, b, dy, formats, real=False):
     x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
-    y = quantized_gemm(x, w, b, resolve(formats))
+    y = quantized_gemm(x, w, b, resolve(formats), real=real)
     y.backward(dy)
     return y.detach(), x.grad, w.grad, b.grad
 
@@ -113,12 +116,38 @@ def test_tile_scaled_x_is_quantized_differently_for_wgrad():
                        fake_quant(w, "fp4_e2m1@block128", axis=1))
 
 
+@pytest.mark.parametrize("formats,calls", [
+    (UNIFORM["fp8"], 5),  # tiles: x along K and T, dy along N and T; the 128x128 w once
+    (UNIFORM["fp4-tensor"], 3),  # one scale per tensor: each operand once
+    (SiteFormats("fp4_e2m1", "fp4_e2m1", "fp4_e2m1+sr"), 4),  # dy's draws differ per GEMM
+    (SiteFormats("fp4_e2m1", "fp4_e2m1", "fp4_e2m1", overrides=(("wgrad.x", "fp8_e4m3"),)), 4),
+])
+@pytest.mark.parametrize("real", [False, True])  # real: FP4 and tiles still run emulated
+def test_an_operand_is_quantized_once_when_both_gemms_see_it_alike(formats, calls, real,
+                                                                  monkeypatch):
+    seen = []
+    real_fake_quant = gemm.fake_quant
+    monkeypatch.setattr(gemm, "fake_quant", lambda t, fmt, **kw: (
+        seen.append(str(fmt)), real_fake_quant(t, fmt, **kw))[1])
+    x, w, b, dy = _tensors(8)
+    torch.manual_seed(3)
+    got = _run(x, w, b, dy, formats, real)
+    assert len(seen) == calls, seen
+    torch.manual_seed(3)  # the reference draws dgrad's dy first, then wgrad's, as the GEMM
+    for g, r, what in zip(got, _reference(x, w, b, dy, formats), ("y", "dx", "dw", "db")):
+        _close(g, r, what)
+
+
 def test_block_weight_is_quantized_once_for_fprop_and_dgrad():
     assert resolve(UNIFORM["fp8"]).dgrad_reuses_fprop_w
     assert resolve(UNIFORM["fp4"]).dgrad_reuses_fprop_w
     assert not resolve(FP8_MIXED).dgrad_reuses_fprop_w  # dgrad.w overridden to tiles
     assert not resolve(SiteFormats("none", "mxfp8", "none")).dgrad_reuses_fprop_w
     assert not resolve(SiteFormats("none", "fp4_e2m1@block128+sr", "none")).dgrad_reuses_fprop_w
+    per_tensor = resolve(UNIFORM["fp4-tensor"])
+    assert per_tensor.wgrad_reuses_fprop_x and per_tensor.wgrad_reuses_dgrad_dy
+    tiles = resolve(UNIFORM["fp8"])
+    assert not tiles.wgrad_reuses_fprop_x and not tiles.wgrad_reuses_dgrad_dy
 
 
 @pytest.mark.parametrize("dtype,fmt", [(torch.float32, "none"), (torch.float32, "fp32"),
