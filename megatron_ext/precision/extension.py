@@ -15,7 +15,10 @@ nothing (megatron's own linears, bit for bit). With one:
    plan written to ``<run dir>/precision_plan.json``; rank 0 prints the FLOP split of the first
    plan, then of later ones at most once per :data:`PLAN_LINE_EVERY` steps, with the number of
    changes since the last line (GNMR changes the plan every few steps);
-5. ``on_step`` adds, on logged steps, the FLOP fractions, the plan hash and the sites changed
+5. with several micro-batches a step, ``after_setup`` gives every linear a weight cache
+   (:mod:`.weight_cache`: fprop's quantized weight made once per step), whose generation
+   ``commit_step`` and ``on_step`` advance, so no step or evaluation sees another's weights;
+6. ``on_step`` adds, on logged steps, the FLOP fractions, the plan hash and the sites changed
    since the last logged step (if any) to the step's metrics.
 
 On ``--load`` the checkpoint's base plan and overlays replace the flags' (they are training
@@ -36,9 +39,10 @@ from megatron_ext.precision import dry_run
 from megatron_ext.precision import policies as policies_
 from megatron_ext.precision.controller import PlanController, verify_same_plan
 from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
-from megatron_ext.precision.layers import apply_plan, quantized_linear_classes
+from megatron_ext.precision.layers import apply_plan, cache_weights, quantized_linear_classes
 from megatron_ext.precision.real_gemm import EXECUTION_CHOICES, describe
 from megatron_ext.precision.plan import PrecisionPlan, load_plan, save_plan
+from megatron_ext.precision.weight_cache import WeightReuse
 
 PLAN_FILE = "precision_plan.json"
 """The plan in force, in the run directory (written by rank 0 whenever it changes)."""
@@ -71,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser, policies: policies_.PolicySet
                         "emulated elsewhere; emulated = fake-quantize, then a high-precision "
                         "GEMM. FP4 / MXFP4 / NVFP4 / MXFP8 are always emulated (Hopper has no "
                         "FP4 or MX tensor cores): their speed-ups are cost-model estimates")
+    g.add_argument("--no-cache-quantized-weights", action="store_true",
+                   help="quantize a weight for fprop in every micro-batch; by default a step "
+                        "with several micro-batches quantizes it at the first and reuses it "
+                        "(bit for bit the same training): emulated weights that backward keeps "
+                        "anyway (128x128 blocks, per tensor) at no memory cost, real FP8 "
+                        "weights at one byte per weight while the step runs")
     g.add_argument("--override-precision-plan", action="store_true",
                    help="on --load, keep the flags' plan instead of the checkpoint's")
 
@@ -118,6 +128,8 @@ class PrecisionRun:
         them (on the next logged step)."""
         self.model = None
         self.args = None
+        self.weight_reuse: WeightReuse | None = None
+        """The weights' generation while they are quantized once per step, else None."""
         self.printed_at: int | None = None
         """The step of the last ``precision: plan`` line (None: none yet)."""
         self.unprinted = 0
@@ -147,8 +159,17 @@ class PrecisionRun:
             print(describe(args.fp8_execution, _model_device(run.model)), flush=True)
         self.commit(state.iteration)
         run.checkpointer.register("precision_plan", self)
+        if args.num_microbatches > 1 and not args.no_cache_quantized_weights:
+            self.weight_reuse = WeightReuse(args.num_microbatches)
+            cache_weights(run.model, self.weight_reuse)
+            if dist.get_rank() == 0:
+                print(f"precision: fprop's quantized weights made once per step for its "
+                      f"{args.num_microbatches} micro-batches (--no-cache-quantized-weights: "
+                      "in every micro-batch)", flush=True)
 
     def commit_step(self, args, run, state) -> None:
+        if self.weight_reuse is not None:
+            self.weight_reuse.new_weights()  # whatever ran between steps, this one starts anew
         if self.model is not None:
             self.commit(state.iteration)
 
@@ -187,6 +208,8 @@ class PrecisionRun:
         self.unprinted = 0
 
     def on_step(self, args, run, state) -> dict | None:
+        if self.weight_reuse is not None:
+            self.weight_reuse.new_weights()  # the optimizer step changed them
         if self.controller.applied is None or not run.step_result["logged"]:
             return None  # changed sites wait for the next logged step
         metrics = {**self.report.metrics(), "precision_plan": self.controller.applied.hash[:12]}

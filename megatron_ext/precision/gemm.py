@@ -79,6 +79,7 @@ from megatron_ext.formats.amax import finite_amax
 from megatron_ext.formats.fp8 import Fp8Operand, to_fp8
 from megatron_ext.precision.real_gemm import axis_free, runs_real, scaled_mm, transposed
 from megatron_ext.precision.site_formats import GemmOperands
+from megatron_ext.precision.weight_cache import WeightCache
 
 
 def quantize(t: torch.Tensor, fmt: Format | None, axis: int, group=None) -> torch.Tensor:
@@ -128,19 +129,21 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None,
-                real: bool = False):
+                real: bool = False, cache: WeightCache | None = None):
         x2 = x.reshape(-1, x.shape[-1])
         wgrad_real = real and _wgrad_runs_real(ops, x2, weight)
         kept_x, fp8_x, x_quantized = x, (None, None), False
         if real and runs_real(ops.fprop_x, ops.fprop_w, x2, weight):
             qx = _to_fp8(x2, ops.fprop_x, group)
-            output = scaled_mm(qx, _to_fp8(weight, ops.fprop_w, group), x.dtype)
+            qw = _cached(cache, ("fp8", ops.fprop_w), lambda: _to_fp8(weight, ops.fprop_w, group))
+            output = scaled_mm(qx, qw, x.dtype)
             output = output.view(*x.shape[:-1], output.shape[-1])
             kept_w = weight  # dgrad quantizes w itself (the same q(w) for square blocks)
             if wgrad_real and ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x):
                 kept_x, fp8_x = None, (qx.data, qx.scale)  # wgrad reads q(x): keep it in FP8
         else:
-            w_fprop = quantize(weight, ops.fprop_w, axis=1, group=group)
+            w_fprop = _cached(cache if ops.dgrad_reuses_fprop_w else None, ("fake", ops.fprop_w),
+                              lambda: quantize(weight, ops.fprop_w, axis=1, group=group))
             qx = quantize(x, ops.fprop_x, axis=-1, group=group)
             output = torch.matmul(qx, w_fprop.t())
             kept_w = w_fprop if ops.dgrad_reuses_fprop_w else weight
@@ -170,7 +173,12 @@ class QuantizedGemm(torch.autograd.Function):
             grad_weight = _wgrad(ctx, dy, qdy, x, qx)
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _cached(cache: WeightCache | None, key: tuple, make):
+    """fprop's quantized weight: from ``cache`` when one is given (:mod:`.weight_cache`)."""
+    return make() if cache is None else cache.get(key, make)
 
 
 def _wgrad_runs_real(ops: GemmOperands, x2: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -237,10 +245,12 @@ def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:
 
 def quantized_gemm(x: torch.Tensor, weight: torch.Tensor | RecomputableWeight,
                    bias: torch.Tensor | None, ops: GemmOperands, group=None,
-                   real: bool = False) -> torch.Tensor:
+                   real: bool = False, cache: WeightCache | None = None) -> torch.Tensor:
     """Apply :class:`QuantizedGemm` (autograd functions take no keywords); a
     :class:`RecomputableWeight` is rebuilt in the backward instead of kept; ``real``: run
-    the GEMMs whose operands are both FP8 on the FP8 tensor cores (:mod:`.real_gemm`)."""
+    the GEMMs whose operands are both FP8 on the FP8 tensor cores (:mod:`.real_gemm`);
+    ``cache``: the layer's :class:`~.weight_cache.WeightCache` (a plain weight only), whose
+    :meth:`~.weight_cache.WeightCache.start_forward` the caller made for this forward."""
     if isinstance(weight, RecomputableWeight):
         return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight, real)
-    return QuantizedGemm.apply(x, weight, bias, ops, group, None, real)
+    return QuantizedGemm.apply(x, weight, bias, ops, group, None, real, cache)

@@ -41,6 +41,7 @@ from megatron_ext.precision.real_gemm import wants_real
 from megatron_ext.sites import SITES, parse_site_id, site_id
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.site_formats import SiteFormats, resolve
+from megatron_ext.precision.weight_cache import WeightCache, WeightReuse
 
 
 class QuantizedLinear:
@@ -54,6 +55,9 @@ class QuantizedLinear:
     """``--fp8-execution``: ``auto``, ``real`` or ``emulated`` (:func:`.real_gemm.wants_real`)."""
     observer = None
     """During an observed pass (:mod:`.observe`): the callable that runs instead of the GEMM."""
+    weight_cache = None
+    """A :class:`~.weight_cache.WeightCache` while weights are quantized once per step
+    (:func:`cache_weights`), else None."""
     transforms: tuple = ()
     """Operand transforms, ``transform(module, input, weight) -> (input, weight)``, applied in
     order before the GEMM (a method's weight perturbation: the plan then quantizes the result);
@@ -84,7 +88,10 @@ class QuantizedLinear:
         if recipe is not None:
             return te.te_linear(self, input, _value(weight), kwargs["bias"], recipe)
         real = wants_real(self.fp8_execution, input.device)
-        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"], real)
+        cache = self.weight_cache if weight is self.weight else None  # not a transform's ŵ
+        if cache is not None:
+            cache.start_forward()
+        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"], real, cache)
 
 
 def _value(weight):
@@ -141,6 +148,13 @@ def quantized_linears(model) -> dict[str, QuantizedLinear]:
                     raise RuntimeError(f"two linears claim site {module.site_id}")
                 found[module.site_id] = module
     return found
+
+
+def cache_weights(model, reuse: WeightReuse | None) -> None:
+    """Give every quantized linear of ``model`` its own :class:`~.weight_cache.WeightCache`
+    of ``reuse`` (None: no cache, every forward quantizes its weight)."""
+    for module in quantized_linears(model).values():
+        module.weight_cache = WeightCache(reuse) if reuse is not None else None
 
 
 def add_transform(model, sites, transform) -> None:

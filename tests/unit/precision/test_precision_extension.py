@@ -143,3 +143,18 @@ def test_changed_sites_wait_for_the_next_logged_step():
         "precision_fp4_frac": 0.5, "precision_plan": "0123456789ab",
         "precision_changed_sites": ["L0.fc2"]}
     assert "precision_changed_sites" not in precision.on_step(None, logged, None)
+
+
+def test_weights_quantized_once_per_step_train_and_evaluate_the_same(tmp_path):
+    # FAST has 4 micro-batches a step; evaluation after every step: a cached weight of the
+    # last step (or of the evaluation) would change the next step's loss
+    flags = ["--no-save", "--precision", "uniform:fp8", "--eval-interval", "1",
+             "--eval-iters", "1"]
+    cached, proc = _train(tmp_path, "cached", *flags)
+    plain, plain_proc = _train(tmp_path, "plain", *flags, "--no-cache-quantized-weights")
+    assert "quantized weights made once per step for its 4 micro-batches" in proc.stdout
+    assert "once per step" not in plain_proc.stdout
+    records = [[{k: r[k] for k in ("step", "loss", "val_loss") if k in r}
+                for r in map(json.loads, open(d / "metrics.jsonl", encoding="utf-8"))]
+               for d in (cached, plain)]
+    assert records[0] == records[1] and sum("val_loss" in r for r in records[0]) == 4

@@ -1,0 +1,80 @@
+"""A weight quantized once per step, not once per micro-batch.
+
+A step of ``M`` micro-batches runs every linear's forward ``M`` times on the same weights:
+the optimizer changes them only between steps. Transformer Engine keeps a layer's FP8 weight
+from the first micro-batch for the others (megatron-core tells it through
+``is_first_microbatch``); :class:`WeightCache` does the same for the quantized GEMM
+(:mod:`.gemm`): fprop's quantized weight is made by the first forward of a step and handed to
+the next ``M - 1``, so a step quantizes each weight once for fprop.
+
+What is kept, and what it costs:
+
+* an **emulated** weight only where dgrad reuses fprop's ``q(w)`` (128x128 blocks, one scale
+  per tensor, casts): backward keeps that tensor anyway, so the cache adds no peak memory;
+  a tile-scaled weight is quantized per micro-batch as before (keeping it would add a
+  weight-sized copy);
+* a **real FP8** weight (``--fp8-execution``): its FP8 data and scales, one byte per weight
+  more while a step's micro-batches run (TE's trade).
+
+**When it is thrown away.** The weights may change between any two steps, and megatron's
+optimizer writes them through ``.data`` (no version counter sees it), so the cache trusts no
+tensor state: the run's :class:`WeightReuse` counts *generations*, the precision extension
+starts a new one before and after every step (so evaluation and the next step never see a
+weight of the last), and an entry of another generation is never used. The ``M``-th forward
+of a generation lets go of the entry, so between steps (the optimizer step included) nothing
+is held; forwards beyond ``M`` (activation recomputation, evaluation) quantize afresh. Only
+the layer's own parameter is cached (not a method's transformed weight, which is new every
+forward) and only in runs with several micro-batches (``--no-cache-quantized-weights`` turns
+it off). The cached values are the ones the GEMM would compute: training is bit for bit the
+same (tested against the run without the cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class WeightReuse:
+    """The run's side of the caches: micro-batches per step and the weights' generation."""
+
+    micro_batches: int
+    """Forwards per step of each linear (megatron's micro-batches on this rank)."""
+    generation: int = 0
+    """Bumped by :meth:`new_weights`; a cache holds entries of one generation only."""
+
+    def new_weights(self) -> None:
+        """The weights may have changed (a step ran, or is about to): drop every entry."""
+        self.generation += 1
+
+
+@dataclass
+class WeightCache:
+    """One linear's quantized weights of the current generation (module docstring)."""
+
+    reuse: WeightReuse
+    """The run's generation and micro-batch count."""
+    entries: dict = field(default_factory=dict)
+    """``(kind, format) -> quantized weight`` made in this generation."""
+    generation: int = -1
+    """The generation ``entries`` belong to."""
+    forwards: int = 0
+    """Forwards of this linear in that generation."""
+
+    def start_forward(self) -> None:
+        """Count a forward of the linear (call once per forward, before :meth:`get`)."""
+        if self.generation != self.reuse.generation:
+            self.entries, self.generation, self.forwards = {}, self.reuse.generation, 0
+        self.forwards += 1
+
+    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The entry ``key`` of this generation, made by ``make()`` if there is none; kept
+        for later forwards until the step's last (the ``micro_batches``-th) forward."""
+        value = self.entries.pop(key, None)
+        if value is None:
+            value = make()
+        if self.forwards < self.reuse.micro_batches:
+            self.entries[key] = value
+        return value
