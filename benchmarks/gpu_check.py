@@ -62,10 +62,16 @@ TRAIN_CONFIGS = {
     "bf16 1 sequence": ["--micro-batch-size", "1", "--global-batch-size", "1"],
     "gaussws 1 sequence": ["--gaussws", "od", "--micro-batch-size", "1",
                            "--global-batch-size", "1"],
+    "uniform:fp8 real 2 micro-batches": ["--precision", "uniform:fp8", "--fp8-execution", "real",
+                                         "--micro-batch-size", "1"],
+    "uniform:fp8 real 2 micro-batches no cache": [
+        "--precision", "uniform:fp8", "--fp8-execution", "real", "--micro-batch-size", "1",
+        "--no-cache-quantized-weights"],
 }
 """``--precision`` etc. per training row on :data:`TRAIN_SHAPE` (:func:`row_flags`: a flag
 the shape names takes the row's value; the ``1 sequence`` rows halve the tokens a step: a
-step whose time stays is the host's, not the GPU's);
+step whose time stays is the host's, not the GPU's; the ``2 micro-batches`` rows, the same
+tokens in two micro-batches, with fprop's FP8 weights made once per step and in each);
 ``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` /
 ``{snip_plan}`` is the last plan the ``pgq`` / ``snip`` row wrote (run that row first): the
 method's overhead is its step time over its own plan's through ``--precision-plan``."""
