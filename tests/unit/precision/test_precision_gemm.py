@@ -123,13 +123,15 @@ def test_tile_scaled_x_is_quantized_differently_for_wgrad():
     (SiteFormats("fp4_e2m1", "fp4_e2m1", "fp4_e2m1", overrides=(("wgrad.x", "fp8_e4m3"),)), 4),
 ])
 @pytest.mark.parametrize("real", [False, True])  # real: FP4 and tiles still run emulated
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton quantizers of CUDA"))])
 def test_an_operand_is_quantized_once_when_both_gemms_see_it_alike(formats, calls, real,
-                                                                  monkeypatch):
+                                                                  device, monkeypatch):
     seen = []
     real_fake_quant = gemm.fake_quant
     monkeypatch.setattr(gemm, "fake_quant", lambda t, fmt, **kw: (
         seen.append(str(fmt)), real_fake_quant(t, fmt, **kw))[1])
-    x, w, b, dy = _tensors(8)
+    x, w, b, dy = (t.to(device) for t in _tensors(8))
     torch.manual_seed(3)
     got = _run(x, w, b, dy, formats, real)
     assert len(seen) == calls, seen

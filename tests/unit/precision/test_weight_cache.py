@@ -16,12 +16,12 @@ TILES = SiteFormats("fp8_e4m3@tile128", "fp8_e4m3@tile128", "fp8_e4m3@tile128")
 PER_TENSOR_FP8 = SiteFormats("fp8_e4m3", "fp8_e4m3", "fp8_e5m2")
 
 
-def _batches(seed=0):
+def _batches(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(144, 256, generator=g) * 0.05
     batches = [(torch.randn(4, 32, 256, generator=g), torch.randn(4, 32, 144, generator=g))
                for _ in range(MICRO_BATCHES)]
-    return w, batches
+    return w.to(device), [(x.to(device), dy.to(device)) for x, dy in batches]
 
 
 def _step(w, batches, formats, real, cache):
@@ -91,3 +91,14 @@ def test_a_new_generation_sees_the_new_weights():
     stale.start_forward()
     after = quantized_gemm(batches[0][0], w, None, resolve(UNIFORM["fp8"]), cache=stale)
     assert torch.equal(before, after)  # what the generation guards against
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton and FP8 paths of CUDA")
+@pytest.mark.parametrize("formats,real", [(UNIFORM["fp8"], False), (UNIFORM["fp4-tensor"], False),
+                                          (PER_TENSOR_FP8, True), (UNIFORM["fp8"], True)])
+def test_on_cuda_a_cached_step_is_the_uncached_one(formats, real):
+    w, batches = _batches(2, "cuda")
+    cache = WeightCache(WeightReuse(MICRO_BATCHES))
+    for g, r in zip(_step(w, batches, formats, real, cache),
+                    _step(w, batches, formats, real, None)):
+        assert g.is_cuda and torch.equal(g, r)
