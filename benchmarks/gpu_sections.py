@@ -317,10 +317,13 @@ def pytest_outcomes(text: str) -> dict:
 
 
 def markdown(results: dict) -> str:
-    """The results as markdown tables (env, GEMMs, training, formats, pytest)."""
+    """The results as markdown tables (env, issue 22's targets, GEMMs, training, formats,
+    pytest)."""
+    from benchmarks.gpu_targets import markdown as target_lines
+
     lines = ["## GPU check", ""]
     env_ = results.get("env", {})
-    lines += [" | ".join(f"{k} {v}" for k, v in env_.items()), ""]
+    lines += [" | ".join(f"{k} {v}" for k, v in env_.items()), ""] + target_lines(results)
     for section in ("gemm", "train", "formats", "stquant", "syncs"):
         rows = results.get(section, {}).get("rows")
         if not rows:

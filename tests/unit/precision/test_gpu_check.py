@@ -125,3 +125,47 @@ def test_a_row_flag_the_shape_names_replaces_its_value():
     for name in ("--micro-batch-size", "--global-batch-size"):
         assert flags.count(name) == 1 and flags[flags.index(name) + 1] == "1"
     assert row_flags(TRAIN_CONFIGS["stquant"]) == [*TRAIN_SHAPE, "--optimizer", "stquant-adamw"]
+
+
+def test_issue_22s_targets_from_two_calls_results(tmp_path):
+    """Two calls' results merged (training rows by config): each target's verdict from the
+    numbers, a missing row "not run", a section's error string "error"; the CLI prints the
+    table and a bad file is one line and exit 2."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import gpu_targets
+
+    first = {"train": {"rows": [
+        {"config": "bf16", "tokens/s": 40000},
+        {"config": "snip", "tokens/s": 25000, "refresh x step memory": 1.02},
+        {"config": "pgq", "tokens/s": 20000, "profile batch x step": 2.5},
+        {"config": "pgq plan", "tokens/s": 20500}]},
+        "formats": {"rows": [{"format": "int8@row", "dtype": "bfloat16", "x_clone": 2.1},
+                             {"format": "fp8_e4m3", "dtype": "bfloat16", "x_clone": 3.4}]}}
+    second = {"train": {"rows": [{"config": "snip plan", "tokens/s": 24000}]},
+              "stquant": {"error": "RuntimeError: boom"}}
+    rows = {r["target"]: r for r in gpu_targets.targets(gpu_targets.merged([first, second]))}
+    verdicts = {name: r["verdict"] for name, r in rows.items()}
+    assert verdicts == {
+        "SNIP refresh peak memory x a normal step's": "met",
+        "SNIP step time x BF16's": "NOT met",  # 40000 / 25000 = 1.6
+        "SNIP step time x its own plan's (--precision-plan)": "met",  # 0.96
+        "PGQ step time x its recipe's (--precision-plan)": "met",  # 1.02
+        "PGQ profile per batch x a step": "NOT met",
+        "STQuant optimizer step x fused AdamW": "not run",
+        "every format's GPU path x clone()": "NOT met"}
+    assert rows["SNIP step time x BF16's"]["measured"] == "1.6x"
+    assert rows["every format's GPU path x clone()"]["measured"].endswith(
+        "; over: fp8_e4m3 bfloat16 3.4x")
+    from benchmarks.gpu_sections import markdown
+    assert "### issue 22 targets" in markdown(first)  # gpu_check.md starts with them
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(second))
+    script = REPO / "benchmarks" / "gpu_targets.py"
+    proc = subprocess.run([sys.executable, script, tmp_path / "a.json", tmp_path / "b.json"],
+                          capture_output=True, text=True, check=True)
+    row = "| SNIP step time x its own plan's (--precision-plan) | 0.96x | <= 1.15 | met |"
+    assert row in proc.stdout
+    bad = subprocess.run([sys.executable, script, tmp_path / "missing.json"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
+    assert bad.stderr.startswith("error:")
