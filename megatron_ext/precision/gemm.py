@@ -53,6 +53,11 @@ tensor-wide scale repeats its amax all-reduce there) — trading one more quanti
 the copy's memory. ŵ's gradient is dgrad's usual ``dw``; autograd routes it into the
 transform's own backward.
 
+**Weights once per step.** With a :class:`~.weight_cache.WeightCache` (the layer's, in runs
+with several micro-batches) fprop's quantized weight comes from the step's first
+micro-batch: the emulated one where dgrad reuses it (backward keeps it anyway), the real
+FP8 one always.
+
 **Real FP8 GEMMs.** With ``real`` set (``--fp8-execution``), a GEMM whose two operands are
 both amax-scaled FP8 formats runs on FP8 data with ``torch._scaled_mm`` instead
 (:mod:`.real_gemm`), one GEMM at a time: a site may run fprop real and wgrad emulated. Its
