@@ -28,7 +28,9 @@ weight is what backward keeps. Likewise for ``x`` and ``dy`` in a format that ig
 (:func:`~.site_formats.same_either_way`: one scale per tensor, square blocks): the forward
 keeps ``q(x)`` in ``x``'s place and wgrad reads it, and wgrad reads dgrad's ``q(dy)``
 transposed (``GemmOperands.wgrad_reuses_fprop_x`` / ``wgrad_reuses_dgrad_dy``) — three
-quantizations per site and micro-batch instead of five for ``uniform:fp4-tensor``.
+quantizations per site and micro-batch instead of five for ``uniform:fp4-tensor``. An ``x``
+that its producer keeps anyway (``own_x`` False: fused attention's output entering ``proj``)
+is kept itself and quantized again: keeping ``q(x)`` as well would hold two copies.
 
 Everything else stays high precision: the GEMM's output is in the operands' dtype (BF16 or
 FP32 — on hardware an FP32 accumulator written out in that dtype), the bias and its gradient
@@ -134,7 +136,7 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None,
-                real: bool = False, cache: WeightCache | None = None):
+                real: bool = False, cache: WeightCache | None = None, own_x: bool = True):
         x2 = x.reshape(-1, x.shape[-1])
         wgrad_real = real and _wgrad_runs_real(ops, x2, weight)
         kept_x, fp8_x, x_quantized = x, (None, None), False
@@ -152,7 +154,7 @@ class QuantizedGemm(torch.autograd.Function):
             qx = quantize(x, ops.fprop_x, axis=-1, group=group)
             output = torch.matmul(qx, w_fprop.t())
             kept_w = w_fprop if ops.dgrad_reuses_fprop_w else weight
-            if not wgrad_real and ops.wgrad_reuses_fprop_x:
+            if own_x and not wgrad_real and ops.wgrad_reuses_fprop_x:
                 kept_x, x_quantized = qx, True  # also wgrad's q(x) along T: kept instead of x
         if bias is not None:
             output = output + bias
@@ -178,7 +180,7 @@ class QuantizedGemm(torch.autograd.Function):
             grad_weight = _wgrad(ctx, dy, qdy, x, qx)
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _cached(cache: WeightCache | None, key: tuple, make):
@@ -250,12 +252,16 @@ def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:
 
 def quantized_gemm(x: torch.Tensor, weight: torch.Tensor | RecomputableWeight,
                    bias: torch.Tensor | None, ops: GemmOperands, group=None,
-                   real: bool = False, cache: WeightCache | None = None) -> torch.Tensor:
+                   real: bool = False, cache: WeightCache | None = None,
+                   own_x: bool = True) -> torch.Tensor:
     """Apply :class:`QuantizedGemm` (autograd functions take no keywords); a
     :class:`RecomputableWeight` is rebuilt in the backward instead of kept; ``real``: run
     the GEMMs whose operands are both FP8 on the FP8 tensor cores (:mod:`.real_gemm`);
     ``cache``: the layer's :class:`~.weight_cache.WeightCache` (a plain weight only), whose
-    :meth:`~.weight_cache.WeightCache.start_forward` the caller made for this forward."""
+    :meth:`~.weight_cache.WeightCache.start_forward` the caller made for this forward;
+    ``own_x``: whether ``x`` is the GEMM's alone, so that an emulated ``q(x)`` that serves
+    wgrad too may be kept in its place (False where ``x``'s producer keeps it: fused
+    attention's output entering ``proj``; then ``x`` is kept and wgrad quantizes it)."""
     if isinstance(weight, RecomputableWeight):
-        return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight, real)
-    return QuantizedGemm.apply(x, weight, bias, ops, group, None, real, cache)
+        return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight, real, None, own_x)
+    return QuantizedGemm.apply(x, weight, bias, ops, group, None, real, cache, own_x)

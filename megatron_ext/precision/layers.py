@@ -51,6 +51,9 @@ class QuantizedLinear:
     """``L{i}.{site}`` of this class (set by :func:`quantized_class`)."""
     te_allowed: bool = True
     """Whether natively supported formats may run through Transformer Engine."""
+    own_input: bool = True
+    """Whether the GEMM's input is its alone (False for ``proj``: fused attention keeps its
+    output for its own backward), so that a quantized copy may be kept in its place."""
     fp8_execution: str = "emulated"
     """``--fp8-execution``: ``auto``, ``real`` or ``emulated`` (:func:`.real_gemm.wants_real`)."""
     observer = None
@@ -91,7 +94,8 @@ class QuantizedLinear:
         cache = self.weight_cache if weight is self.weight else None  # not a transform's ŵ
         if cache is not None:
             cache.start_forward()
-        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"], real, cache)
+        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"], real, cache,
+                              self.own_input)
 
 
 def _value(weight):
@@ -124,7 +128,8 @@ def quantized_class(base: type, layer: int, site: str, te_allowed: bool = True,
     name = f"Quantized{base.__name__}"
     return type(name, (QuantizedLinear, base),
                 {"site_id": site_id(layer, site), "te_allowed": te_allowed,
-                 "fp8_execution": fp8_execution, "__module__": __name__, "__qualname__": name})
+                 "fp8_execution": fp8_execution, "own_input": site != "proj",
+                 "__module__": __name__, "__qualname__": name})
 
 
 def quantized_linear_classes(te_allowed: bool = True, fp8_execution: str = "emulated"):

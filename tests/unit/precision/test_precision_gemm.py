@@ -140,6 +140,26 @@ def test_an_operand_is_quantized_once_when_both_gemms_see_it_alike(formats, call
         _close(g, r, what)
 
 
+def test_an_input_its_producer_keeps_is_kept_itself_and_quantized_again(monkeypatch):
+    # proj's x (fused attention keeps it): keeping q(x) too would hold two copies
+    seen = []
+    real_fake_quant = gemm.fake_quant
+    monkeypatch.setattr(gemm, "fake_quant", lambda t, fmt, **kw: (
+        seen.append(tuple(t.shape)), real_fake_quant(t, fmt, **kw))[1])
+    x, w, b, dy = _tensors(9)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = quantized_gemm(xs, ws, b, resolve(UNIFORM["fp4-tensor"]), own_x=False)
+    y.backward(dy)
+    assert seen == [(N, K), (S, B, K), (S * B, N), (K, S * B)]  # w, x, dy; x again along T
+    ref = _reference(x, w, b, dy, UNIFORM["fp4-tensor"])
+    for g, r in zip((y.detach(), xs.grad, ws.grad), ref):
+        _close(g, r)
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron_ext.precision.layers import quantized_class
+    assert not quantized_class(RowParallelLinear, 0, "proj").own_input
+    assert quantized_class(RowParallelLinear, 0, "fc2").own_input
+
+
 def test_block_weight_is_quantized_once_for_fprop_and_dgrad():
     assert resolve(UNIFORM["fp8"]).dgrad_reuses_fprop_w
     assert resolve(UNIFORM["fp4"]).dgrad_reuses_fprop_w
