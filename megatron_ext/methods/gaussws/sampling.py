@@ -236,15 +236,18 @@ def sample_weight(w: torch.Tensor, bits: torch.Tensor, key: int, layout: ShardLa
 
 
 def recomputable_sample(w: torch.Tensor, bits: torch.Tensor, key: int,
-                        layout: ShardLayout | None = None, group=None) -> RecomputableWeight:
+                        layout: ShardLayout | None = None, group=None,
+                        amax: torch.Tensor | None = None) -> RecomputableWeight:
     """ŵ for the local weight ``w`` (``layout`` defaults to the whole weight): the tile
-    maxima (combined over the TP ``group`` when given), then :class:`GaussSample`; returned
+    maxima (combined over the TP ``group`` when given; ``amax`` when the caller has them),
+    then :class:`GaussSample`; returned
     as a :class:`~megatron_ext.precision.gemm.RecomputableWeight`, so a quantized GEMM keeps
     ``w`` and rebuilds ŵ bit for bit in its backward (from the tile scales and the key)
     instead of keeping ŵ. The rebuild, which runs just before eq. 3 in the same backward,
     hands its R on to eq. 3 (one generation of R per backward, not two)."""
     layout = layout or ShardLayout.full(*w.shape)
-    amax = all_reduce_block_amax(local_block_amax(w, layout), group)
+    if amax is None:
+        amax = all_reduce_block_amax(local_block_amax(w, layout), group)
     rebuild = Rebuild(layout, key, keep_r=bits.requires_grad)
     w_hat = GaussSample.apply(w, bits, amax, key, layout, group, rebuild)
     return RecomputableWeight(w_hat, w, rebuild)

@@ -45,6 +45,8 @@ class GaussWSWeight(torch.nn.Module):
         self.layout = layout
         self.b_init, self.b_decay = config.b_init, config.b_target_decay
         self.b_i = torch.nn.Parameter(torch.ones(layout.grid_shape, device=device))
+        self._amax: tuple = (None, None)
+        """((key, w's storage), tile maxima) of the last :meth:`tile_amax`."""
 
     def bits(self, max_bits: float | None = None) -> torch.Tensor:
         """b_t per tile (eq. 9), clamped at ``max_bits`` (eq. 6) when given."""
@@ -65,7 +67,18 @@ class GaussWSWeight(torch.nn.Module):
         call :meth:`accumulate_bits_grad` once per step instead."""
         bits = self.bits(max_bits)
         return recomputable_sample(w, bits.detach() if defer_bits_grad else bits, key,
-                                   self.layout, group)
+                                   self.layout, group, self.tile_amax(w, key, group))
+
+    def tile_amax(self, w: torch.Tensor, key: int, group=None) -> torch.Tensor:
+        """The tile maxima of ``w`` (over the TP ``group``), made once per ``key``: a key
+        names one optimizer step, whose micro-batches all sample the same weights (they
+        change only between steps), so the step's first forward measures them and the
+        others, and :meth:`accumulate_bits_grad`, reuse them (one pass over ``w`` and one
+        all-reduce a step, not one per micro-batch)."""
+        tag = (key, w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape))
+        if self._amax[0] != tag:
+            self._amax = tag, all_reduce_block_amax(local_block_amax(w, self.layout), group)
+        return self._amax[1]
 
     def accumulate_bits_grad(self, w: torch.Tensor, w_grad: torch.Tensor, key: int,
                              max_bits: float | None = None, group=None) -> None:
@@ -74,7 +87,7 @@ class GaussWSWeight(torch.nn.Module):
         ŵ's R and s are the same for every micro-batch (key frozen, w unchanged): one pass
         per step equals the per-micro-batch sum (up to float summation order). ``w_grad``
         already averaged over data-parallel ranks gives the averaged ∂L/∂b_i."""
-        amax = all_reduce_block_amax(local_block_amax(w, self.layout), group)
+        amax = self.tile_amax(w, key, group)
         bits = self.bits(max_bits)
         scale = block_scale(amax, bits)  # amax: float32, float64 for a float64 w
         grad = bits_grad(w_grad, scale, self.layout, key, group)

@@ -119,3 +119,22 @@ def test_bits_grad_once_per_step_equals_the_micro_batch_sum():
     deferred.accumulate_bits_grad(w.detach(), w.grad, KEY, max_bits=6.0)
     err = (deferred.b_i.grad - per_mb.b_i.grad).abs().max()
     assert err <= 1e-5 * per_mb.b_i.grad.abs().max() and (per_mb.b_i.grad == 0).any()
+
+
+def test_tile_maxima_are_measured_once_per_step_key(monkeypatch):
+    """A step's micro-batches sample the same weights with the same key: the tile maxima
+    come from its first forward; a new key, or another tensor, measures again. Each ŵ equals
+    the one a fresh module (no earlier call) makes."""
+    from megatron_ext.methods.gaussws import weight as weight_module
+
+    w = torch.randn(100, 70, generator=torch.Generator().manual_seed(3))
+    w2 = w * 2
+    fresh = [_weight()(w, KEY), _weight()(w2, KEY + 1)]
+    calls = []
+    real = weight_module.local_block_amax
+    monkeypatch.setattr(weight_module, "local_block_amax",
+                        lambda w, layout: (calls.append(1), real(w, layout))[1])
+    mod = _weight()
+    assert all(torch.equal(mod(w, KEY), fresh[0]) for _ in range(3)) and len(calls) == 1
+    mod(w, KEY + 1)
+    assert torch.equal(mod(w2, KEY + 1), fresh[1]) and len(calls) == 3
