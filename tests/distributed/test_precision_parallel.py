@@ -102,3 +102,20 @@ def test_layout_trains_like_a_single_process(name, single, tmp_path):
         first = records[0]
         assert (first["fp4_flop_frac_stage0"], first["fp4_flop_frac_stage1"]) == (1.0, 0.0)
         assert (first["fp8_flop_frac_stage0"], first["fp8_flop_frac_stage1"]) == (0.0, 1.0)
+
+
+def test_tp2_weights_quantized_once_per_step_with_tensor_wide_scales(tmp_path):
+    """Per-tensor formats under TP take each weight's amax over the TP group (a collective
+    in every quantization the cache saves): with the weights quantized once per step every
+    rank must skip the same ones. Four micro-batches a step, TP=2: the same losses, bit for
+    bit, as quantizing in every micro-batch."""
+    def run(name, *flags):
+        run_dir = tmp_path / name
+        launch_precision([*FAST, *ALIGNED, "--train-iters", 2, "--no-save", "--run-dir",
+                          run_dir, "--precision", "uniform:fp4-tensor",
+                          "--tensor-model-parallel-size", 2, *flags], nproc=2)
+        with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+    cached = run("cached")
+    assert len(cached) == 2 and cached == run("plain", "--no-cache-quantized-weights")
