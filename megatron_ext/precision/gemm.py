@@ -130,7 +130,8 @@ class QuantizedGemm(torch.autograd.Function):
     ``x`` may have leading dims (megatron passes ``[s, b, K]``); ``ops`` is read when the
     function is applied, so changing a layer's formats between steps needs no rebuild;
     ``group`` is the layer's tensor-parallel group (None without TP); ``recompute``, when
-    given, is the :class:`RecomputableWeight` whose ``value`` is ``weight``.
+    given, is the :class:`RecomputableWeight` whose ``value`` is ``weight``; ``real``,
+    ``cache`` and ``own_x`` as in :func:`quantized_gemm`.
     """
 
     @staticmethod
