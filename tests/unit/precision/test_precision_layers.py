@@ -140,6 +140,30 @@ def test_apply_plan_sets_each_site(tiny_model):
         apply_plan(chunks, PrecisionPlan({"L3.qkv": UNIFORM["fp8"]}), args.num_layers)
 
 
+def test_only_projs_input_is_kept_by_its_producer_so_only_proj_keeps_it(tiny_model):
+    """Per-tensor / cast formats let a GEMM keep q(x) for wgrad instead of x; that saves
+    memory only where nothing else keeps x. Counted with saved-tensor hooks over a forward
+    (SDPA, the default attention): proj's input is saved twice (SDPA's output, and proj
+    itself: ``own_input`` False), every other site's not at all (they keep q(x))."""
+    args, chunks = tiny_model
+    apply_plan(chunks, PrecisionPlan({sid: UNIFORM["bf16"] for sid in quantized_linears(chunks)}),
+               args.num_layers)  # an FP32 model: the BF16 cast is a real quantization
+    inputs, saved = {}, []
+    hooks = [m.register_forward_pre_hook(lambda mod, inp, sid=sid: inputs.update({sid: inp[0]}))
+             for sid, m in quantized_linears(chunks).items()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            tokens = torch.randint(0, 512, (2, 16))
+            chunks[0](tokens, torch.arange(16).expand(2, 16), None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        apply_plan(chunks, PrecisionPlan({}), args.num_layers)
+    storages = [t.untyped_storage().data_ptr() for t in saved]
+    kept = {sid: storages.count(x.untyped_storage().data_ptr()) for sid, x in inputs.items()}
+    assert kept == {sid: 2 if sid.endswith("proj") else 0 for sid in inputs}
+
+
 @pytest.mark.parametrize("formats", [SiteFormats(), UNIFORM["fp8"]])
 def test_operand_transforms_run_beneath_the_plan(formats):
     """A transform's weight is what the GEMM (and the plan's quantization) sees; autograd
