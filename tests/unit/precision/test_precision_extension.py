@@ -155,6 +155,6 @@ def test_weights_quantized_once_per_step_train_and_evaluate_the_same(tmp_path):
     assert "quantized weights made once per step for its 4 micro-batches" in proc.stdout
     assert "once per step" not in plain_proc.stdout
     records = [[{k: r[k] for k in ("step", "loss", "val_loss") if k in r}
-                for r in map(json.loads, open(d / "metrics.jsonl", encoding="utf-8"))]
+                for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
                for d in (cached, plain)]
     assert records[0] == records[1] and sum("val_loss" in r for r in records[0]) == 4
