@@ -19,6 +19,10 @@ import re
 SITES = ("qkv", "proj", "fc1", "fc2")
 """The four linear sites of a transformer layer, in plan order."""
 
+COLUMN_SITES = ("qkv", "fc1")
+"""Sites megatron builds as ``ColumnParallelLinear`` (weight rows split over TP); the others
+are ``RowParallelLinear`` (weight columns split)."""
+
 ROLES = ("x", "w", "dy")
 """Operand roles: input activation, weight, output gradient."""
 

@@ -14,18 +14,26 @@ sequence), and the forward + backward time of one micro-batch on one GPU (``T = 
 its sites' GEMMs at the rate of their class, plus the attention core of its layers and, on
 the last stage, the output layer (BF16), all divided by TP. Peak rate, no communication:
 a lower bound. The training side turns the stage times into the step time and tokens/s.
+
+**Memory**: per stage, what its quantized GEMMs keep for the backward beyond megatron's
+linears (:mod:`.kept`: fprop's quantized weights, FP8 weights cached for the step, ``q(x)``
+kept in FP8), each micro-batch's share times the micro-batches the stage holds; the report
+adds it to the stage's total (its ``extra`` column).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from megatron_ext.extension import DryRunPart, StageTimes
 from megatron_ext.precision.controller import PlanController, compose
 from megatron_ext.precision.cost import ModelShape, flop_report, stage_seconds
+from megatron_ext.precision.kept import kept_bytes, site_geometry
 from megatron_ext.precision.plan import PrecisionPlan
-from megatron_ext.precision.site_formats import SiteFormats
-from megatron_ext.sites import SITES
+from megatron_ext.precision.site_formats import SiteFormats, resolve
+from megatron_ext.sites import SITES, site_id
 
 NO_PLAN = "none: BF16 GEMMs"
 """What the times assume without a precision flag."""
@@ -49,6 +57,26 @@ def assumed_plan(args, controller: PlanController, shape: ModelShape) -> Precisi
     return compose(base, list(controller.overlays.values()))
 
 
+def kept_memory(args, context, formats_of) -> list[float]:
+    """Per stage, bytes one GPU's quantized GEMMs keep beyond megatron's linears under
+    ``formats_of(site_id) -> SiteFormats`` (module docstring; :mod:`.kept`)."""
+    layout, shape = context.layout, ModelShape.from_args(args)
+    dtype = torch.bfloat16 if layout.bf16 else torch.float32
+    real = args.fp8_execution != "emulated"  # auto: the GPU the times assume runs FP8
+    cached = layout.micro_batches > 1 and not args.no_cache_quantized_weights
+    tokens = layout.seq * layout.micro_batch
+    step, micro = [0.0] * len(context.stages), [0.0] * len(context.stages)
+    for layer, stage in enumerate(context.layer_stages):
+        for site in SITES:
+            geometry = site_geometry(shape, site, tokens, layout.tp, layout.sequence_parallel,
+                                     layout.flash_attention)
+            kept = kept_bytes(resolve(formats_of(site_id(layer, site))), geometry, dtype,
+                              real, cached)
+            step[stage] += kept.per_step
+            micro[stage] += kept.per_micro_batch
+    return [s + context.held(k) * m for k, (s, m) in enumerate(zip(step, micro))]
+
+
 def estimate(controller: PlanController, args, context) -> DryRunPart:
     """The platform's part of the report (module docstring)."""
     shape = micro_batch_shape(args, context)
@@ -61,6 +89,7 @@ def estimate(controller: PlanController, args, context) -> DryRunPart:
                stage_seconds(formats_of, shape, context.bf16_flops_per_s, stage_of)]
     sites = [len(SITES) * len(s.layers) for s in context.stages]
     fp4 = [f["fp4"] for f in flops.stage_fractions]
+    kept = kept_memory(args, context, formats_of)
     method = plan.method if plan is not None else NO_PLAN
     how = (f"forward + backward of one micro-batch on one GPU at "
            f"{context.bf16_flops_per_s / 1e12:g} TFLOP/s BF16 (FP8 2x, FP4 4x), attention core "
@@ -69,7 +98,17 @@ def estimate(controller: PlanController, args, context) -> DryRunPart:
         columns=("sites", "lin PFLOP", "FP4"),
         cells=tuple((str(n), f"{f / 1e15:.1f}", f"{100 * x:.0f}%")
                     for n, f, x in zip(sites, flops.stage_flops, fp4)),
-        stage_json=tuple({"sites": n, "linear_flops": f, "fp4_fraction": x}
-                         for n, f, x in zip(sites, flops.stage_flops, fp4)),
+        stage_json=tuple({"sites": n, "linear_flops": f, "fp4_fraction": x,
+                          "quantized_gemm_kept_bytes": m}
+                         for n, f, x, m in zip(sites, flops.stage_flops, fp4, kept)),
         times=StageTimes(tuple(seconds), f"plan {method}", how),
+        memory=tuple(kept) if any(kept) else (),
+        notes=(_kept_note(kept),) if any(kept) else (),
         json={"plan": method})
+
+
+def _kept_note(kept: list[float]) -> str:
+    """The memory note: what the quantized GEMMs keep, stage 0's share."""
+    return (f"extra: the quantized GEMMs keep {kept[0] / 2**30:+.2f} GiB on stage 0 beyond "
+            "megatron's linears (fprop's quantized weights where dgrad reuses them, FP8 "
+            "weights cached for the step, q(x) kept in FP8; docs/dry_run.md)")

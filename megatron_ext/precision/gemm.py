@@ -93,12 +93,18 @@ def quantize(t: torch.Tensor, fmt: Format | None, axis: int, group=None) -> torc
     """``fake_quant(t, fmt, axis=axis)``; ``t`` itself for passthrough and for a cast that
     cannot change ``t`` (to its own dtype, or to FP32 from BF16/FP16). ``group``: the
     tensor-parallel group ``t`` may be a shard over (see :func:`whole_tensor_amax`)."""
-    if fmt is None:
-        return t
-    cast = getattr(fmt.element, "dtype", None)  # set for the IEEE casts only
-    if cast is not None and torch.promote_types(t.dtype, cast) == cast:
+    if not changes(fmt, t.dtype):
         return t
     return fake_quant(t, fmt, axis=axis, tensor_amax=whole_tensor_amax(t, fmt, group))
+
+
+def changes(fmt: Format | None, dtype: torch.dtype) -> bool:
+    """Whether :func:`quantize` of a ``dtype`` tensor in ``fmt`` makes a new tensor (False
+    for passthrough and for a cast that cannot change it)."""
+    if fmt is None:
+        return False
+    cast = getattr(fmt.element, "dtype", None)  # set for the IEEE casts only
+    return cast is None or torch.promote_types(dtype, cast) != cast
 
 
 def whole_tensor_amax(t: torch.Tensor, fmt: Format, group) -> torch.Tensor | None:
@@ -131,13 +137,14 @@ class QuantizedGemm(torch.autograd.Function):
     function is applied, so changing a layer's formats between steps needs no rebuild;
     ``group`` is the layer's tensor-parallel group (None without TP); ``recompute``, when
     given, is the :class:`RecomputableWeight` whose ``value`` is ``weight``; ``real``,
-    ``cache`` and ``own_x`` as in :func:`quantized_gemm`.
+    ``cache``, ``own_x`` and ``seq_group`` as in :func:`quantized_gemm`.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 ops: GemmOperands, group=None, recompute: RecomputableWeight | None = None,
-                real: bool = False, cache: WeightCache | None = None, own_x: bool = True):
+                real: bool = False, cache: WeightCache | None = None, own_x: bool = True,
+                seq_group=None):
         x2 = x.reshape(-1, x.shape[-1])
         wgrad_real = real and _wgrad_runs_real(ops, x2, weight)
         kept_x, fp8_x, x_quantized = x, (None, None), False
@@ -163,6 +170,10 @@ class QuantizedGemm(torch.autograd.Function):
         ctx.real, ctx.wgrad_real = real, wgrad_real
         ctx.w_quantized, ctx.x_quantized = kept_w is not weight, x_quantized
         ctx.rebuild = recompute.rebuild if recompute is not None else None
+        ctx.seq_group = seq_group
+        if seq_group is not None:  # keep this rank's rows of the gathered x (or q(x))
+            kept_x, fp8_x = _own_rows(kept_x, seq_group), (_own_rows(fp8_x[0], seq_group),
+                                                           fp8_x[1])
         ctx.save_for_backward(kept_x, recompute.source if recompute is not None else kept_w,
                               *fp8_x)
         return output
@@ -170,6 +181,8 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x, w, x8, x8_scale = ctx.saved_tensors
+        if ctx.seq_group is not None:
+            x, x8 = _all_rows(x, ctx.seq_group), _all_rows(x8, ctx.seq_group)
         ops = ctx.ops
         grad_input = grad_weight = grad_bias = qdy = None
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
@@ -181,7 +194,26 @@ class QuantizedGemm(torch.autograd.Function):
             grad_weight = _wgrad(ctx, dy, qdy, x, qx)
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _own_rows(t: torch.Tensor | None, group) -> torch.Tensor | None:
+    """This rank's rows of ``t``, which was gathered along dim 0 over ``group`` in rank
+    order: a copy, so that the gathered tensor can be freed."""
+    if t is None:
+        return None
+    return t.chunk(dist.get_world_size(group), 0)[dist.get_rank(group)].clone()
+
+
+def _all_rows(t: torch.Tensor | None, group) -> torch.Tensor | None:
+    """Every rank's :func:`_own_rows` of ``group`` gathered again, in rank order (FP8 data
+    travels as bytes: not every backend gathers FP8 dtypes)."""
+    if t is None:
+        return None
+    data = t.view(torch.uint8) if t.element_size() == 1 else t
+    out = data.new_empty((data.shape[0] * dist.get_world_size(group), *data.shape[1:]))
+    dist.all_gather_into_tensor(out, data.contiguous(), group=group)
+    return out.view(t.dtype)
 
 
 def _cached(cache: WeightCache | None, key: tuple, make):
@@ -254,7 +286,7 @@ def _dgrad_weight(ctx, saved: torch.Tensor) -> torch.Tensor:
 def quantized_gemm(x: torch.Tensor, weight: torch.Tensor | RecomputableWeight,
                    bias: torch.Tensor | None, ops: GemmOperands, group=None,
                    real: bool = False, cache: WeightCache | None = None,
-                   own_x: bool = True) -> torch.Tensor:
+                   own_x: bool = True, seq_group=None) -> torch.Tensor:
     """Apply :class:`QuantizedGemm` (autograd functions take no keywords); a
     :class:`RecomputableWeight` is rebuilt in the backward instead of kept; ``real``: run
     the GEMMs whose operands are both FP8 on the FP8 tensor cores (:mod:`.real_gemm`);
@@ -262,7 +294,11 @@ def quantized_gemm(x: torch.Tensor, weight: torch.Tensor | RecomputableWeight,
     :meth:`~.weight_cache.WeightCache.start_forward` the caller made for this forward;
     ``own_x``: whether ``x`` is the GEMM's alone, so that an emulated ``q(x)`` that serves
     wgrad too may be kept in its place (False where ``x``'s producer keeps it: fused
-    attention's output entering ``proj``; then ``x`` is kept and wgrad quantizes it)."""
+    attention's output entering ``proj``; then ``x`` is kept and wgrad quantizes it);
+    ``seq_group``: the group ``x`` was gathered over along dim 0 (sequence parallelism), so
+    that only this rank's rows of what wgrad reads are kept and the backward gathers them
+    again, as megatron's own linear does."""
     if isinstance(weight, RecomputableWeight):
-        return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight, real, None, own_x)
-    return QuantizedGemm.apply(x, weight, bias, ops, group, None, real, cache, own_x)
+        return QuantizedGemm.apply(x, weight.value, bias, ops, group, weight, real, None, own_x,
+                                   seq_group)
+    return QuantizedGemm.apply(x, weight, bias, ops, group, None, real, cache, own_x, seq_group)

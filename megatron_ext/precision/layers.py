@@ -10,9 +10,10 @@ same collectives in the same places:
 * TP without sequence parallelism (column layer): ``copy_to_tensor_model_parallel_region`` —
   identity forward, all-reduce of ``dx`` backward;
 * sequence parallelism (column layer): ``gather_from_sequence_parallel_region`` — all-gather
-  of ``x`` along the sequence forward, reduce-scatter of ``dx`` backward. The quantized
-  function saves the gathered ``x`` for wgrad (megatron saves its shard and gathers again in
-  backward: more memory here, same math).
+  of ``x`` along the sequence forward, reduce-scatter of ``dx`` backward. Like megatron's
+  own linear, the quantized function keeps only this rank's rows of what wgrad reads (``x``,
+  or its quantized copy) and all-gathers them again in the backward: a layer keeps
+  ``s·b·h/t`` of its input, not ``s·b·h``.
 
 A site's formats are the mutable attribute ``formats`` (a
 :class:`~megatron_ext.precision.site_formats.SiteFormats`, passthrough at build), read on every call:
@@ -38,7 +39,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron_ext.precision import te
 from megatron_ext.precision.gemm import RecomputableWeight, quantized_gemm
 from megatron_ext.precision.real_gemm import wants_real
-from megatron_ext.sites import SITES, parse_site_id, site_id
+from megatron_ext.sites import COLUMN_SITES, SITES, parse_site_id, site_id
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.site_formats import SiteFormats, resolve
 from megatron_ext.precision.weight_cache import WeightCache, WeightReuse
@@ -94,8 +95,10 @@ class QuantizedLinear:
         cache = self.weight_cache if weight is self.weight else None  # not a transform's ŵ
         if cache is not None:
             cache.start_forward()
-        return quantized_gemm(input, weight, kwargs["bias"], ops, kwargs["tp_group"], real, cache,
-                              self.own_input)
+        # the layer's own group: megatron hands the row layer's GEMM tp_group=None (it reduces
+        # the output itself), but a tensor-wide scale needs the amax of every shard
+        return quantized_gemm(input, weight, kwargs["bias"], ops, self.tp_group, real, cache,
+                              self.own_input, sequence_group(kwargs))
 
 
 def _value(weight):
@@ -111,6 +114,12 @@ def tp_input(input, kwargs: dict):
     if kwargs["sequence_parallel"]:
         input = gather_from_sequence_parallel_region(input, True, group=group)
     return input
+
+
+def sequence_group(kwargs: dict):
+    """The group :func:`tp_input` gathered the input over along the sequence (sequence
+    parallelism), else None: the GEMM keeps only this rank's rows for its backward."""
+    return kwargs["tp_group"] if kwargs["sequence_parallel"] else None
 
 
 def tp_group():
@@ -135,7 +144,7 @@ def quantized_class(base: type, layer: int, site: str, te_allowed: bool = True,
 def quantized_linear_classes(te_allowed: bool = True, fp8_execution: str = "emulated"):
     """A ``linear_classes`` callback for ``training.model.layer_spec``: every site quantized."""
     def classes(layer: int, site: str) -> type:
-        base = ColumnParallelLinear if site in ("qkv", "fc1") else RowParallelLinear
+        base = ColumnParallelLinear if site in COLUMN_SITES else RowParallelLinear
         return quantized_class(base, layer, site, te_allowed, fp8_execution)
 
     return classes

@@ -84,18 +84,28 @@ def runs_real(fmt_a: Format | None, fmt_b: Format | None, a, b) -> bool:
     """Whether ``a @ b.T`` in these formats can run as a real FP8 GEMM on ``a``'s device
     (``a (M, R)``, ``b (N, R)``: tensors, or anything with their ``shape``, ``dtype``,
     ``device``)."""
+    if len(a.shape) != 2 or len(b.shape) != 2 or not fits_real(fmt_a, fmt_b, *a.shape,
+                                                                b.shape[0]):
+        return False
+    return supported(str(fmt_a), str(fmt_b), a.dtype, a.device) is not None
+
+
+def fits_real(fmt_a: Format | None, fmt_b: Format | None, m: int, r: int, n: int) -> bool:
+    """Whether ``a (m, r) @ b (n, r).T`` in these formats has a real FP8 path where
+    ``_scaled_mm`` takes every scaling pairing of the module table (an H100): both FP8,
+    a pairing with a scale layout, and a shape the alignments and blocks divide. What
+    :func:`runs_real` adds is the trial on the actual device (:func:`supported`)."""
     if not (is_fp8_format(fmt_a) and is_fp8_format(fmt_b)):
         return False
-    if (_kind(fmt_a), _kind(fmt_b)) not in _PAIRS or len(a.shape) != 2 or len(b.shape) != 2:
+    if (_kind(fmt_a), _kind(fmt_b)) not in _PAIRS:
         return False
-    (m, r), n = a.shape, b.shape[0]
     if m % _ALIGN or n % _ALIGN or r % (_BLOCK_ALIGN if fmt_a.scaling.cols else _ALIGN):
         return False
     for fmt, rows in ((fmt_a, m), (fmt_b, n)):
         br, bc = block_shape(fmt, rows, r)
         if rows % br or r % bc:
             return False
-    return supported(str(fmt_a), str(fmt_b), a.dtype, a.device) is not None
+    return True
 
 
 def axis_free(fmt: Format | None) -> bool:
@@ -198,5 +208,5 @@ def describe(mode: str, device: torch.device) -> str:
             f"{', '.join(real) or 'no scaling'}; other FP8 scalings, FP4 / MX / NVFP4 emulated")
 
 
-__all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "axis_free", "describe", "fp8_gemm", "runs_real",
-           "scaled_mm", "supported", "transposed", "wants_real"]
+__all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "axis_free", "describe", "fits_real", "fp8_gemm",
+           "runs_real", "scaled_mm", "supported", "transposed", "wants_real"]

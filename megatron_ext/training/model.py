@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_ext.errors import UsageError
+from megatron_ext.sites import COLUMN_SITES
 from megatron_ext.training.attention_backend import resolve_attention_backend
 from megatron_ext.training.sdpa import SDPAttention
 
@@ -44,7 +45,7 @@ LinearClasses = Callable[[int, str], type]
 
 
 def default_linear_classes(layer: int, site: str) -> type:
-    return ColumnParallelLinear if site in ("qkv", "fc1") else RowParallelLinear
+    return ColumnParallelLinear if site in COLUMN_SITES else RowParallelLinear
 
 
 class TorchNorm:

@@ -32,9 +32,9 @@ PLAN = PrecisionPlan({f"L{i}.{s}": FP4_NEAREST if i < 2 else FP8 for i in range(
 
 def test_tp2_and_sp_match_tp1_and_mismatched_plans_fail():
     proc = launch_precision([], nproc=2, script=WORKER)
-    for name in ("uniform-fp8", "uniform-fp8-sp", "mx", "mx-sp"):
-        for rank in (0, 1):
-            assert f"OK {name} rank {rank}" in proc.stdout
+    for name in ("uniform-fp8", "mx", "fp8-tensor", "fp8-tensor-real"):
+        for rank, sp in ((0, ""), (1, ""), (0, "-sp"), (1, "-sp")):
+            assert f"OK {name}{sp} rank {rank}" in proc.stdout, proc.stdout
     assert proc.stdout.count("ranks hold different precision plans (rank 0: ") == 2
 
 

@@ -43,7 +43,7 @@ import torch
 from megatron_ext.formats import CastElement, FloatElement, get_format
 from megatron_ext.precision.layers import add_transform, quantized_linears
 from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
-from megatron_ext.sites import parse_site_id
+from megatron_ext.sites import COLUMN_SITES, parse_site_id
 
 from .flags import GaussWSConfig
 from .layout import ShardLayout
@@ -51,15 +51,11 @@ from .noise import NoiseSeeds
 from .sampling import format_mantissa_bits, underflow_bound
 from .weight import GaussWSWeight, grid_bits
 
-COLUMN_PARALLEL = ("qkv", "fc1")
-"""Sites whose linear splits its output rows over TP (the others split input columns)."""
-
-
 def site_layout(module, site: str, block: int) -> ShardLayout:
     """Where ``module``'s local weight lies in the full TP=1 weight of ``site``."""
     group = module.tp_group
     full = (module.output_size, module.input_size)
-    if site in COLUMN_PARALLEL:
+    if site in COLUMN_SITES:
         gated = site == "fc1" and module.config.gated_linear_unit
         return ShardLayout.tensor_parallel(full, group.size(), group.rank(), 0,
                                            2 if gated else 1, block)

@@ -47,10 +47,7 @@ from megatron_ext.methods.gnmr.promote import promoted_formats
 from megatron_ext.methods.gnmr.units import unit_sites
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
-from megatron_ext.sites import parse_site_id
-
-COLUMN_PARALLEL = ("qkv", "fc1")
-"""Sites whose input is replicated over TP (their weight is split by output rows)."""
+from megatron_ext.sites import COLUMN_SITES, parse_site_id
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ class MemoryBound:
 def saved_elements(shape: ModelShape, site: str, layout: ActivationLayout) -> float:
     """``A``: elements of ``x`` one GPU saves for one micro-batch of a ``site``."""
     _, k = shape.site_nk(site)
-    if site in COLUMN_PARALLEL:
+    if site in COLUMN_SITES:
         rows = layout.tokens / layout.tp if layout.sequence_parallel else layout.tokens
         return rows * k
     return layout.tokens * k / layout.tp

@@ -16,13 +16,13 @@ from functools import partial
 from megatron.core.models.gpt import GPTModel
 
 from megatron_ext.precision.gemm import quantized_gemm
-from megatron_ext.precision.layers import tp_input
+from megatron_ext.precision.layers import sequence_group, tp_input
 from megatron_ext.precision.site_formats import SiteFormats, resolve
 
 
 def _quantized_impl(ops, layer, input, weight, **kwargs):
     return quantized_gemm(tp_input(input, kwargs), weight, kwargs["bias"], ops,
-                          kwargs["tp_group"])
+                          kwargs["tp_group"], seq_group=sequence_group(kwargs))
 
 
 def output_layers(model) -> list:

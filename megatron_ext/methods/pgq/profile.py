@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from megatron_ext.io import read_json
 from megatron_ext.precision.cost import ModelShape, gemm_intensity
 from megatron_ext.methods.pgq.sqnr import to_db
-from megatron_ext.sites import GEMM_ROLES, SITES, site_id
+from megatron_ext.sites import COLUMN_SITES, GEMM_ROLES, SITES, site_id
 
 VERSION = 1
 KIND = {"x": "activation", "w": "weight", "dy": "gradient"}
@@ -224,7 +224,7 @@ def gemm_list(shape: ModelShape, micro_tokens: int, tp: int,
     gemms = _embedding_gemms(shape, micro_tokens, tp, sequence_parallel)
     for layer in range(shape.num_layers):
         for site in SITES:
-            parallel = "column" if site in ("qkv", "fc1") else "row"
+            parallel = "column" if site in COLUMN_SITES else "row"
             gemms += _linear_gemms(site_id(layer, site), parallel, *shape.site_nk(site), shape,
                                    micro_tokens, tp)
     return gemms + _linear_gemms(LOGITS, "column", shape.vocab_size, shape.hidden_size, shape,

@@ -35,7 +35,7 @@ import torch
 
 from megatron_ext.errors import UsageError
 from megatron_ext.precision.cost import ModelShape
-from megatron_ext.sites import SITES
+from megatron_ext.sites import COLUMN_SITES, SITES
 
 GIB = 2 ** 30
 WEIGH_TEMPORARIES = 3
@@ -98,7 +98,7 @@ def local_sites(shape: ModelShape, layers, tp: int) -> list[tuple[int, int]]:
     for _ in layers:
         for site in SITES:
             n, k = shape.site_nk(site)
-            out.append((n // tp, k) if site in ("qkv", "fc1") else (n, k // tp))
+            out.append((n // tp, k) if site in COLUMN_SITES else (n, k // tp))
     return out
 
 

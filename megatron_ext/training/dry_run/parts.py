@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ext.extension import DryRunPart, Extension, StageTimes
-from megatron_ext.training.dry_run.estimates import Layout
+from megatron_ext.training.dry_run.estimates import Layout, in_flight
 from megatron_ext.training.dry_run.meta import StageParams
 
 
@@ -39,6 +39,12 @@ class DryRunContext:
         """Pipeline stage of every global layer (virtual chunks included)."""
         stage_of = {layer: s.stage for s in self.stages for layer in s.layers}
         return [stage_of[layer] for layer in range(len(stage_of))]
+
+    def held(self, stage: int) -> float:
+        """Micro-batches of its layers ``stage`` holds at the schedule's peak (the 1F1B
+        warm-up; with virtual stages, chunk-micro-batches over the chunks per stage): how
+        many times it keeps what one micro-batch keeps."""
+        return in_flight(stage, self.layout) / self.layout.vp
 
 
 def collect(extensions: list[Extension], args, context: DryRunContext,

@@ -24,19 +24,23 @@ from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.training.distributed import init_process_group, resolve_launch
 
 S, B, H, F = 160, 2, 256, 512  # T = 320 tokens: 1x128 tiles along T end ragged
-FORMATS = {"uniform-fp8": UNIFORM["fp8"], "mx": SiteFormats("mxfp8", "mxfp4", "mxfp8_e5m2")}
+FP8_TENSOR = SiteFormats("fp8_e4m3", "fp8_e4m3", "fp8_e4m3")
+FORMATS = {"uniform-fp8": (UNIFORM["fp8"], "emulated"),
+           "mx": (SiteFormats("mxfp8", "mxfp4", "mxfp8_e5m2"), "emulated"),
+           # per tensor: the emulated GEMM keeps q(x) for wgrad, the real one q(x) in FP8
+           "fp8-tensor": (FP8_TENSOR, "emulated"), "fp8-tensor-real": (FP8_TENSOR, "real")}
 
 
-def _layers(tp_group, sequence_parallel: bool, formats: SiteFormats):
+def _layers(tp_group, sequence_parallel: bool, formats: SiteFormats, execution: str):
     config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
                                use_cpu_initialization=True, sequence_parallel=sequence_parallel,
                                tensor_model_parallel_size=tp_group.size(),
                                pipeline_model_parallel_size=1)
     kw = dict(config=config, init_method=torch.nn.init.zeros_, bias=True, tp_group=tp_group)
-    col = quantized_class(ColumnParallelLinear, 0, "fc1")(H, F, gather_output=False,
-                                                            skip_bias_add=False, **kw)
-    row = quantized_class(RowParallelLinear, 0, "fc2")(F, H, input_is_parallel=True,
-                                                         skip_bias_add=False, **kw)
+    col = quantized_class(ColumnParallelLinear, 0, "fc1", fp8_execution=execution)(
+        H, F, gather_output=False, skip_bias_add=False, **kw)
+    row = quantized_class(RowParallelLinear, 0, "fc2", fp8_execution=execution)(
+        F, H, input_is_parallel=True, skip_bias_add=False, **kw)
     size, rank = tp_group.size(), tp_group.rank()
     g = torch.Generator().manual_seed(0)
     w1, b1 = torch.randn(F, H, generator=g) * 0.05, torch.randn(F, generator=g)
@@ -49,9 +53,10 @@ def _layers(tp_group, sequence_parallel: bool, formats: SiteFormats):
     return col, row, shard
 
 
-def _run(tp_group, sequence_parallel, formats):
-    """Output, dx, and the four parameter grads (shards at TP=2)."""
-    col, row, shard = _layers(tp_group, sequence_parallel, formats)
+def _run(tp_group, sequence_parallel, formats, execution):
+    """Output, dx, and the four parameter grads (shards at TP=2); the weight shard; what the
+    column layer saved for its backward."""
+    col, row, shard = _layers(tp_group, sequence_parallel, formats, execution)
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
     x[7, 1] *= 40  # an outlier token
@@ -59,11 +64,26 @@ def _run(tp_group, sequence_parallel, formats):
         rows = slice(tp_group.rank() * S // 2, (tp_group.rank() + 1) * S // 2)
         x, dy = x[rows], dy[rows]
     x = x.clone().requires_grad_()
-    y = row(col(x)[0])[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        hidden = col(x)[0]
+    y = row(hidden)[0]
     y.backward(dy)
     if sequence_parallel:  # as megatron's finalize_model_grads does for SP-marked params
         dist.all_reduce(row.bias.grad, group=tp_group)
-    return [y, x.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad], shard
+    return [y, x.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad], shard, \
+        saved
+
+
+def _keeps_its_rows(name, saved, rank):
+    """Under SP the column layer's GEMM reads the gathered x (S rows) but keeps only this
+    rank's S/2 rows of it (x, q(x), or q(x) in FP8) for wgrad, as megatron's linear does."""
+    sizes = {t.numel() for t in saved}
+    if S * B * H in sizes or S // 2 * B * H not in sizes:
+        raise AssertionError(f"{name} rank {rank}: the column layer keeps "
+                             f"{sorted(sizes)} elements, not its {S // 2 * B * H} rows of x")
+    if name.endswith("real-sp") and not any(t.element_size() == 1 for t in saved):
+        raise AssertionError(f"{name} rank {rank}: q(x) not kept in FP8 (no real GEMM ran)")
 
 
 def _compare(name, tp1, tp2, shard, sequence_parallel, rank):
@@ -86,11 +106,14 @@ def main() -> int:
     rank = dist.get_rank()
     singletons = [dist.new_group([r]) for r in range(dist.get_world_size())]
     tp2 = parallel_state.get_tensor_model_parallel_group()
-    for fmt_name, formats in FORMATS.items():
-        tp1, shard = _run(singletons[rank], False, formats)
+    for fmt_name, (formats, execution) in FORMATS.items():
+        tp1, shard, _ = _run(singletons[rank], False, formats, execution)
         for sp in (False, True):
-            got, shard = _run(tp2, sp, formats)
-            _compare(f"{fmt_name}{'-sp' if sp else ''}", tp1, got, shard, sp, rank)
+            got, shard, saved = _run(tp2, sp, formats, execution)
+            name = f"{fmt_name}{'-sp' if sp else ''}"
+            if sp:
+                _keeps_its_rows(name, saved, rank)
+            _compare(name, tp1, got, shard, sp, rank)
     plan = PrecisionPlan({"L0.fc1": UNIFORM["fp8"]})
     verify_same_plan(plan)
     try:

@@ -42,6 +42,25 @@ def test_precision_times_are_the_cost_model_by_hand(tmp_path, capsys):
     assert "time (plan uniform:fp8)" in capsys.readouterr().out
 
 
+def test_precision_memory_is_the_kept_weight_copies_by_hand(capsys):
+    """uniform:fp8 emulated keeps fprop's 128x128-block q(w) for dgrad: a BF16 copy of each
+    GPU's weight shard (2 bytes x SUM_NK / TP per layer, 2 layers a stage), once per step with
+    the weight cache; without it, once per micro-batch the stage holds (stage 0 of PP 2
+    holds 2 of the 4, stage 1 one). The bytes are each stage's extra memory and JSON entry."""
+    copy = 2 * 2 * SUM_NK / 2
+    flags = [*TINY, "--precision", "uniform:fp8", "--fp8-execution", "emulated"]
+    for extra, want in (([], [copy, copy]), (["--no-cache-quantized-weights"], [2 * copy, copy])):
+        report = dry([*flags, *extra], [precision_extension()])
+        assert [st.memory.extra for st in report.stages] == want
+        assert [s["quantized_gemm_kept_bytes"] for s in report.parts["precision"].stage_json] \
+            == want
+    assert "the quantized GEMMs keep +0.00 GiB on stage 0" in capsys.readouterr().out
+    # blockwise FP8 runs real only for reductions of a multiple of 512 (real_gemm): at K = 128
+    # fprop stays emulated and keeps q(w) as above, real execution asked for or not
+    report = dry([*flags[:-1], "real"], [precision_extension()])
+    assert [st.memory.extra for st in report.stages] == [copy, copy]
+
+
 def test_without_a_precision_extension_there_is_no_time_estimate(capsys):
     report = dry(TINY, [])
     assert report.step_seconds is None and report.times is None and report.parts == {}
