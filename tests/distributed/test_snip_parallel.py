@@ -1,5 +1,7 @@
 """SNIP under TP=2 x PP=2 x DP=2 (8 processes, torchrun on gloo) against one process on the
-same global batch: the reduced statistics of a refresh, and the plan every rank applies."""
+same global batch: the reduced statistics of a refresh, and the plan every rank applies. The
+8-process run also observes its sites in groups (``--snip-sites-per-pass 3``: 3 groups of the
+three passes on each stage), which must change no statistic."""
 
 import json
 
@@ -41,7 +43,7 @@ def _flatten(stats: dict) -> dict:
 
 LAYOUTS = {
     "tp2pp2dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                      "--use-distributed-optimizer"]),
+                      "--use-distributed-optimizer", "--snip-sites-per-pass", "3"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 

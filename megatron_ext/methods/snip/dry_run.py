@@ -147,7 +147,7 @@ def refresh_memory(config, args, context) -> list[RefreshMemory]:
     return [memory_of(s.per_gpu, 2 if layout.bf16 else 4,
                       local_sites(shape, s.layers, layout.tp),
                       layout.seq * layout.micro_batch, layout.micro_batches, layout.dp, sums,
-                      resolve(config.offload, "cuda"))
+                      resolve(config.offload, "cuda"), config.sites_per_pass)
             for s in context.stages]
 
 
@@ -158,6 +158,8 @@ def estimate(config, args, context) -> DryRunPart:
     extra = refresh_memory(config, args, context)
     worst = max(extra, key=lambda m: m.total)
     stages = ", ".join(f"{f:.2f}" for f in ilp.stage_fp4_fraction)
+    most = max(4 * len(s.layers) for s in context.stages)
+    groups = -(-most // config.sites_per_pass) if config.sites_per_pass else 1
     return DryRunPart(lines=(
         f"SNIP refresh: {sizes.sites} sites x {sizes.options} options; statistics per GPU "
         f"{sizes.stage_scalars[0] * SCALAR_BYTES:,} B (TP all-reduce, DP all-reduce of that "
@@ -168,7 +170,10 @@ def estimate(config, args, context) -> DryRunPart:
         f"{worst.adam / GIB:.2f} + dw {worst.base_grad / GIB:.2f} + float64 sums "
         f"{worst.accumulators / GIB:.2f} + largest site {worst.transient / GIB:.2f}"
         + (f"; on the host (--snip-offload): {worst.host / GIB:.2f} GiB" if worst.host else "")
-        + (f"; in files (--snip-offload disk): {worst.disk / GIB:.2f} GiB" if worst.disk else ""),
+        + (f"; in files (--snip-offload disk): {worst.disk / GIB:.2f} GiB" if worst.disk else "")
+        + f"; {3 * groups} passes per refresh"
+        + (f" ({groups} groups of --snip-sites-per-pass {config.sites_per_pass})"
+           if config.sites_per_pass else ""),
         f"SNIP ILP (synthetic statistics, budget {ilp.budget:g}, stage balance "
         f"{ilp.stage_balance}): {ilp.status} in {ilp.solve_time:.2f} s, {ilp.variables:,} "
         f"variables ({ilp.pruned:,} pruned), FP4 {ilp.fp4_fraction:.3f}, per stage "

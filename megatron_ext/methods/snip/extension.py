@@ -126,7 +126,7 @@ class SnipRun:
         run.checkpointer.register("snip", self)
         if self.config.refreshes:  # before the first step: would a refresh fit?
             memory.check_fits(memory.of_run(args, run.model, self.config.candidates,
-                                            self._offload()),
+                                            self._offload(), self.config.sites_per_pass),
                               _activations(args))
 
     def _offload(self) -> str:
@@ -170,7 +170,8 @@ class SnipRun:
                 with snapshot.swapped():
                     observers, loss = collect(args, run, consumed, self.config.candidates,
                                               self.config.noise, a2=a2, store=snapshot.store,
-                                              probe=self.config.probe)
+                                              probe=self.config.probe,
+                                              sites_per_pass=self.config.sites_per_pass)
             del snapshot, a2
             collect_s = time.perf_counter() - start - reduce_s
             stats = reduce_statistics(observers, args, self.config.candidates)

@@ -50,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "at a time, removed after the refresh; bounds CPU memory), none = the "
                         "model's device; auto (default) = host when the model is on a GPU, "
                         "else disk")
+    g.add_argument("--snip-sites-per-pass", type=int, default=0, metavar="N",
+                   help="observe at most N of a rank's sites per pass: with several "
+                        "micro-batches a step every observed site sums float64 gradients "
+                        "and errors over the pass (5 x 8 bytes per weight with the default "
+                        "candidates), so N bounds that memory, at the cost of repeating the "
+                        "three passes once per group of N sites; 0 (default): all sites in "
+                        "one set of passes. The statistics are the same (stochastic-rounding "
+                        "candidates: other draws)"),
     g.add_argument("--snip-probe", choices=PROBES, default="isotropic",
                    help="the backward probe's noise (step 2): isotropic per token (the "
                         "paper's), or dgrad: shaped like a dgrad error entering the residual "
@@ -96,6 +104,8 @@ class SnipConfig:
     directory, ``none`` (the model's device), or ``auto`` (host on a GPU, else disk)."""
     probe: str = "isotropic"
     """``--snip-probe``: the backward probe's noise, isotropic or dgrad-shaped."""
+    sites_per_pass: int = 0
+    """``--snip-sites-per-pass``: sites a rank observes per set of passes (0: all)."""
     weights: tuple[float, float] = (1.0, 1.0)
     """``--snip-loss-weight``, ``--snip-weight-weight``: w_L and w_W of Q."""
     solver: SolverConfig = SolverConfig()
@@ -118,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> SnipConfig | None:
     if args.snip_start < 0 or args.snip_interval < 0 or args.snip_apply_lag < 1:
         raise UsageError("--snip-start and --snip-interval must be >= 0 and "
                          "--snip-apply-lag >= 1")
+    if args.snip_sites_per_pass < 0:
+        raise UsageError(f"--snip-sites-per-pass must be >= 0, got {args.snip_sites_per_pass}")
     if args.snip_noise <= 0:
         raise UsageError(f"--snip-noise must be > 0, got {args.snip_noise}")
     if args.snip_probe == "dgrad" and args.tensor_model_parallel_size > 1:
@@ -129,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> SnipConfig | None:
     return SnipConfig(args.precision, cands.all_formats(), tuple(cands.options()),
                       args.snip_budget, args.snip_stage_balance, args.snip_start,
                       args.snip_interval, args.snip_apply_lag, args.snip_noise,
-                      args.snip_offload, args.snip_probe,
+                      args.snip_offload, args.snip_probe, args.snip_sites_per_pass,
                       (args.snip_loss_weight, args.snip_weight_weight),
                       SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads),
                       args.snip_seed)

@@ -10,7 +10,8 @@ before it, with AdamW's ``A²`` known, so per rank it holds, beyond what a step 
   one micro-batch per step and DP = 1 (where that is exact), else float64;
 * ``accumulators``: float64 sums over a pass's micro-batches (``dw`` and one signed wgrad
   error per ``x`` and ``dy`` candidate): with one micro-batch per step only the site in
-  its backward holds them; with several, every site holds them for the whole pass; with
+  its backward holds them; with several, every observed site holds them for the whole pass
+  (all of the rank's, or one group of ``--snip-sites-per-pass``: the largest group's); with
   one micro-batch and no DP no error is summed: each is weighted as it is made (its site
   holds ``dw``, the product and the two temporaries of ``A² ⊙ e²``);
 * ``transient``: the largest site's float64 work in its backward (three M x N tensors:
@@ -68,25 +69,30 @@ class RefreshMemory:
 
 
 def refresh_memory(params: int, param_bytes: int, sites: list[tuple[int, int]], tokens: int,
-                   micro_batches: int, dp: int, sums_per_site: int, offload: str = "none"
-                   ) -> RefreshMemory:
+                   micro_batches: int, dp: int, sums_per_site: int, offload: str = "none",
+                   sites_per_pass: int = 0) -> RefreshMemory:
     """The refresh's memory of a rank holding ``params`` parameters of ``param_bytes`` each and
     site weights of local shapes ``sites`` (N, K), ``tokens`` rows per micro-batch, with
     ``sums_per_site`` float64 N x K sums (1 + the x and dy candidates), DP size ``dp``;
-    ``offload``: ``host`` or ``disk`` (snapshot, ``A²`` and ``dw`` moved there) or ``none``."""
+    ``offload``: ``host`` or ``disk`` (snapshot, ``A²`` and ``dw`` moved there) or ``none``;
+    ``sites_per_pass``: sites observed per set of passes (0: all)."""
     weights = sum(n * k for n, k in sites)
+    step = sites_per_pass or max(len(sites), 1)
+    group = max((sum(n * k for n, k in sites[g:g + step]) for g in range(0, len(sites), step)),
+                default=0)  # the largest group's weights
     largest = max((n * k for n, k in sites), default=0)
     m_n = max((tokens * max(n, k) for n, k in sites), default=0)
     m_k = max((tokens * k for _, k in sites), default=0)
-    held = weights if micro_batches > 1 else largest
+    held = group if micro_batches > 1 else largest
     single = micro_batches == 1 and dp == 1
     sums = 1 + WEIGH_TEMPORARIES if single else sums_per_site
     dw_bytes = 4 if single else 8
-    kept = params * param_bytes + (4 + dw_bytes) * weights
+    kept = params * param_bytes + 4 * weights + dw_bytes * group
     moved = offload in ("host", "disk")
     on_device = largest if moved else weights  # offloaded: one site's A², dw at a time
+    base_grad = largest if moved else group  # the group's dw, kept from step 1 to step 3
     return RefreshMemory(0 if moved else params * param_bytes, 4 * on_device,
-                         dw_bytes * on_device, 8 * sums * held,
+                         dw_bytes * base_grad, 8 * sums * held,
                          8 * (3 * m_n + 2 * m_k) + 4 * 2 * m_n,
                          kept if offload == "host" else 0, kept if offload == "disk" else 0)
 
@@ -107,15 +113,18 @@ def sums_per_site(candidates: dict) -> int:
     return 1 + len(candidates["x"]) + len(candidates["dy"])
 
 
-def of_run(args, model, candidates: dict, offload: str = "none") -> RefreshMemory:
-    """This rank's refresh memory in a built run (``offload``: resolved ``--snip-offload``)."""
+def of_run(args, model, candidates: dict, offload: str = "none",
+           sites_per_pass: int = 0) -> RefreshMemory:
+    """This rank's refresh memory in a built run (``offload``: resolved ``--snip-offload``;
+    ``sites_per_pass``: ``--snip-sites-per-pass``)."""
     from megatron_ext.precision.layers import quantized_linears
     params = [p for chunk in model for p in chunk.parameters()]
     sites = [tuple(m.weight.shape) for m in quantized_linears(model).values()]
     return refresh_memory(sum(p.numel() for p in params),
                           params[0].element_size() if params else 4, sites,
                           args.seq_length * args.micro_batch_size, args.num_microbatches,
-                          args.data_parallel, sums_per_site(candidates), offload)
+                          args.data_parallel, sums_per_site(candidates), offload,
+                          sites_per_pass)
 
 
 def available_bytes() -> int | None:
@@ -143,5 +152,5 @@ def check_fits(need: RefreshMemory, activations: float) -> None:
             f"{need.base_grad / GIB:.2f}, float64 sums {need.accumulators / GIB:.2f}, "
             f"largest site {need.transient / GIB:.2f}); with a step's activations "
             f"(~{activations / GIB:.2f} GiB) that is more than the {free / GIB:.2f} GiB free: "
-            f"use fewer micro-batches per step (larger --micro-batch-size) or more "
-            f"model parallelism")
+            f"observe fewer sites at a time (--snip-sites-per-pass), use fewer micro-batches "
+            f"per step (larger --micro-batch-size) or more model parallelism")

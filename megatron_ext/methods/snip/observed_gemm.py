@@ -31,6 +31,7 @@ class ObservedGemm(torch.autograd.Function):
         if bias is not None:
             output = output + bias
         ctx.obs, ctx.base, ctx.use_bias = obs, base, bias is not None
+        ctx.active = obs.active
         ctx.save_for_backward(x, weight)
         return output
 
@@ -44,5 +45,6 @@ class ObservedGemm(torch.autograd.Function):
         dw = dy2.t() @ x2
         if ctx.base:
             obs.gemm_backward(x2, dy2, weight)
-        obs.accumulate_dw(dw, weight)  # the site may be complete after this
+        if ctx.active:
+            obs.accumulate_dw(dw, weight)  # the site may be complete after this
         return dx, dw, dy2.sum(0) if ctx.use_bias else None, None, None

@@ -69,8 +69,8 @@ class ProbeNoise:
     added to the noise site's input (forward). A mixin of :class:`~.stats.SiteObserver`,
     whose attributes it reads: ``mode``, ``sample_offsets``, ``noise_scale``, ``probe_map``,
     ``column``, ``sequence_parallel``, ``tp``, ``tp_rank``, ``dp``, the micro-batch counters
-    ``_fwd_micro`` / ``_bwd_micro``, ``stats`` (``noiseF``, ``noiseB``) and
-    ``_tp_complete``."""
+    ``_fwd_micro`` / ``_bwd_micro``, ``stats`` (``noiseF``, ``noiseB``; recorded only while
+    ``active``: the noise is added in every group's passes) and ``_tp_complete``."""
 
     def noise_like(self, t: torch.Tensor, shard_dim: int | None, micro: int) -> torch.Tensor:
         """Per-sample seeded N(0, 1) noise shaped like ``t`` ([s, b, ...]) for micro-batch
@@ -92,7 +92,8 @@ class ProbeNoise:
         noise = sigma * self.noise_like(x, shard, self._fwd_micro)
         self._fwd_micro += 1
         rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseF"] += on_device(noise.square().sum()) * rep
+        if self.active:
+            self.stats["noiseF"] += on_device(noise.square().sum()) * rep
         return x + noise.to(x.dtype)
 
     def residual_probe(self, grad: torch.Tensor) -> torch.Tensor:
@@ -110,5 +111,6 @@ class ProbeNoise:
             noise = dgrad_shaped(eps, self.probe_map, sigma)
         self._bwd_micro += 1
         rep = 1.0 / self.tp if shard is None else 1.0
-        self.stats["noiseB"] += on_device(noise.square().sum()) * rep / self.dp ** 2
+        if self.active:
+            self.stats["noiseB"] += on_device(noise.square().sum()) * rep / self.dp ** 2
         return noise.to(grad.dtype)

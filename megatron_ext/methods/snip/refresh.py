@@ -16,7 +16,15 @@ one of those N x K tensors is kept until it (six per site, float64). In training
 before step ``s+1`` and swaps them in for the passes; ``A²`` (float32) is then known, so each
 site's tensors are weighted and freed in its own backward (bounded memory: ``docs/snip.md``).
 The gradient buffers are zeroed afterwards and the torch RNG state is restored, so training
-goes on exactly as it would have. :func:`reduce_statistics` then sums every rank's share
+goes on exactly as it would have.
+
+**Sites in groups** (``--snip-sites-per-pass N``). With several micro-batches a step every
+observed site sums its ``dw`` and wgrad errors (float64, N x K) over the whole pass: at 70 B
+on 64 GPUs that is 80 GiB per GPU. With ``N`` set, a rank's sites are observed ``N`` at a
+time: the three passes run once per group, the other sites running the same unquantized
+GEMMs (and the noise site its noise) without recording anything, so each site's
+statistics come from the same operands as in one set of passes. Every rank runs the same
+number of groups (the largest over the world: the pipeline runs all stages together). :func:`reduce_statistics` then sums every rank's share
 with one all-reduce of ``sites x stats`` float64 scalars; every rank ends up with the same
 :class:`~megatron_ext.methods.snip.divergence.SiteStats` list, in global site order.
 """
@@ -97,15 +105,27 @@ def _residual_probe(obs: SiteObserver, layer, inputs, output) -> None:
         hidden.register_hook(obs.residual_probe)
 
 
+def site_groups(sites: list[str], per_pass: int) -> list[list[str]]:
+    """``sites`` (this rank's) in consecutive groups of ``per_pass`` (0: one group), as many
+    groups as the rank with the most (a collective over the world; trailing ones empty)."""
+    if not per_pass:
+        return [sites]
+    count = torch.tensor(-(-len(sites) // per_pass), device=device())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return [sites[g * per_pass:(g + 1) * per_pass] for g in range(int(count))]
+
+
 def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: float,
             dataset=None, a2: dict | None = None, store: TensorStore | None = None,
-            probe: str = "isotropic") -> tuple[dict[str, SiteObserver], float]:
+            probe: str = "isotropic", sites_per_pass: int = 0
+            ) -> tuple[dict[str, SiteObserver], float]:
     """Steps 1-3 on the batch at ``consumed_samples`` of ``dataset`` (default: training's)
     as observed passes through ``run.replay``, one isolated RNG stream for the three;
     returns (observers, base loss). With ``a2`` (:func:`adam_squares`) the A-weighted
     statistics are complete and no N x K tensor outlives its site's backward; ``store``: where
     the observers keep base gradients between passes (``--snip-offload``); ``probe``: the
-    backward probe's noise (``--snip-probe``, :mod:`.probe_noise`)."""
+    backward probe's noise (``--snip-probe``, :mod:`.probe_noise`); ``sites_per_pass``:
+    observe the sites in groups of that many (module docstring; 0: all at once)."""
     observers = make_observers(run.model, candidates, args.num_layers, noise_scale, store)
     for sid, obs in observers.items():
         if a2 is not None and sid in a2:
@@ -115,14 +135,17 @@ def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: flo
     try:
         with isolated_rng(args.seed + consumed_samples), \
                 observing(run.model, observers) as linears:
-            for mode in PASSES:
-                for obs in observers.values():
-                    obs.begin_pass(mode, _sample_offsets(args, consumed_samples),
-                                   args.micro_batch_size)
-                result = run.replay(consumed_samples, dataset)
-                loss = result if mode == BASE else loss
+            for group in site_groups(list(observers), sites_per_pass):
                 for sid, obs in observers.items():
-                    obs.end_pass(linears[sid].weight)
+                    obs.active = sid in group
+                for mode in PASSES:
+                    for obs in observers.values():
+                        obs.begin_pass(mode, _sample_offsets(args, consumed_samples),
+                                       args.micro_batch_size)
+                    result = run.replay(consumed_samples, dataset)
+                    loss = result if mode == BASE else loss
+                    for sid, obs in observers.items():
+                        obs.end_pass(linears[sid].weight)
     finally:
         for handle in handles:
             handle.remove()

@@ -153,6 +153,10 @@ class SiteObserver(ProbeNoise):
         """The TP group (None without TP): tensor-wide scales are taken over it."""
         self.dp = parallel_state.get_data_parallel_world_size()
         self.mode = BASE
+        self.active = True
+        """Whether this site is observed in the current passes; an inactive one (another
+        group's turn, ``--snip-sites-per-pass``) runs the same unquantized GEMM and noise
+        and records nothing."""
         self.sample_offsets: list[int] = []
         """Global index of the first sample of each micro-batch of the pass, in order."""
         self.micro_batch_size = 1
@@ -201,12 +205,13 @@ class SiteObserver(ProbeNoise):
     # -- the observed call ---------------------------------------------------------------
     def __call__(self, module, input, weight, kwargs):
         """Replaces the site's ``_forward_impl`` while attached: unquantized GEMM + hooks."""
-        if self.mode in (BASE, PROBE_BACKWARD):
+        if self.active and self.mode in (BASE, PROBE_BACKWARD):
             input = TapInput.apply(input, self)
         x = tp_input(input, kwargs)
         if self.mode == PROBE_FORWARD and self.noise_scale:
             x = self.add_forward_noise(x)
-        return ObservedGemm.apply(x, weight, kwargs["bias"], self, self.mode == BASE)
+        return ObservedGemm.apply(x, weight, kwargs["bias"], self,
+                                  self.mode == BASE and self.active)
 
     def begin_pass(self, mode: str, sample_offsets: list[int], micro_batch_size: int):
         self.mode, self.sample_offsets = mode, sample_offsets
@@ -231,6 +236,8 @@ class SiteObserver(ProbeNoise):
     def norm_forward(self, norm: torch.nn.Module, h: torch.Tensor) -> None:
         """Forward hook of the norm in front of this site, on its input (the residual stream):
         κ_m² for the next tap; step 2 also: watch the residual gradient's response."""
+        if not self.active:
+            return
         if self.mode in (BASE, PROBE_BACKWARD):
             self._norm_gain = _norm_gain(norm, h)
         if self.mode == PROBE_BACKWARD and h.requires_grad:

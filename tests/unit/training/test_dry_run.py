@@ -71,6 +71,21 @@ def _gpt_params(L, h, F, V, P):
     return V * h + P * h + L * layer + 2 * h
 
 
+
+def test_snip_sites_in_groups_bound_the_refresh(capsys):
+    """--snip-sites-per-pass 8 on the 70B layout (40 sites a GPU, 512 micro-batches): the
+    float64 sums of the largest group of 8, a fifth of all 40's, in 5 x 3 passes."""
+    flags = [*LLAMA3_70B, "--precision", "snip", "--snip-budget", "0.5"]
+    whole = dry(flags, extensions=default_extensions())
+    groups = dry([*flags, "--snip-sites-per-pass", "8"], extensions=default_extensions())
+    sums = [[m["accumulators"] for m in r.parts["snip"].json["snip_refresh_memory"]]
+            for r in (whole, groups)]
+    assert sums[1] == [s / 5 for s in sums[0]] and sums[0][1] > 70 * 2**30
+    assert [s.memory.extra for s in groups.stages] < [s.memory.extra for s in whole.stages]
+    out = capsys.readouterr().out
+    assert "; 3 passes per refresh\n" in out
+    assert "; 15 passes per refresh (5 groups of --snip-sites-per-pass 8)" in out
+
 @pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "2"],
                                     ["--pipeline-model-parallel-size", "2"],
                                     ["--tensor-model-parallel-size", "2",

@@ -27,6 +27,21 @@ def test_refresh_memory_by_hand():
     assert (host.host, host.disk, disk.host, disk.disk) == (kept, 0, 0, kept)
 
 
+def test_sites_in_groups_hold_the_largest_groups_sums():
+    """--snip-sites-per-pass: with several micro-batches only the observed group's sites sum
+    (and keep their base dw); A² is still every site's."""
+    sites = [(6, 4), (4, 2), (2, 2), (5, 4)]  # 24, 8, 4 and 20 elements
+    kw = dict(tokens=10, micro_batches=4, dp=1, sums_per_site=5)
+    whole = memory.refresh_memory(40, 2, sites, **kw)
+    pairs = memory.refresh_memory(40, 2, sites, sites_per_pass=2, **kw)  # 24+8, 4+20
+    assert (whole.accumulators, pairs.accumulators) == (8 * 5 * 56, 8 * 5 * 32)
+    assert (whole.base_grad, pairs.base_grad) == (8 * 56, 8 * 32)
+    assert pairs.adam == whole.adam == 4 * 56
+    host = memory.refresh_memory(40, 2, sites, sites_per_pass=2, offload="host", **kw)
+    assert host.host == 80 + 4 * 56 + 8 * 32 and host.accumulators == 8 * 5 * 32
+    assert memory.refresh_memory(40, 2, sites, sites_per_pass=9, **kw) == whole
+
+
 def test_local_sites_split_like_megatron():
     shape = ModelShape(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                        num_query_groups=2, swiglu=True, tokens=8)

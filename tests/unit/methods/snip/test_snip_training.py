@@ -155,6 +155,7 @@ def test_resume_between_refresh_and_apply_reproduces_the_run(tmp_path):
     (["--snip-apply-lag", "0"], "--snip-apply-lag"),
     (["--precision-plan", "plan.json"], "exclude each other"),
     (["--snip-probe", "sideways"], "--snip-probe"),
+    (["--snip-sites-per-pass", "-1"], "--snip-sites-per-pass must be >= 0"),
 ])
 def test_bad_snip_flags_are_one_line_errors(flags, message):
     proc = launch([*FAST_ARGS, "--precision", "snip", *flags, "--train-iters", "2",
@@ -176,3 +177,34 @@ def test_dgrad_probe_needs_one_tensor_parallel_rank():
                       world_size=2)
     with pytest.raises(UsageError, match="--snip-probe dgrad needs"):
         config_from_args(args)
+
+
+def test_sites_observed_in_groups_give_the_same_refresh(snip_run, tmp_path):
+    """--snip-sites-per-pass 3: the 16 sites observed 3 at a time (6 groups of the three
+    passes, 4 micro-batches a step), the others running the same GEMMs and noise unobserved.
+    Every statistic is bit-identical to one set of passes, but the stochastic-rounding dy
+    candidate's, whose draws come in another order (one site's can move 2x between draws;
+    summed over the sites, within 1.5x), and training goes on with the same losses until
+    the refresh's plan applies."""
+    run_dir = tmp_path / "groups"
+    launch([*FAST_ARGS, *SNIP, "--snip-sites-per-pass", "3", "--train-iters", "4", "--no-save",
+            "--run-dir", str(run_dir)])
+    ref, got = _refresh_stats(snip_run), _refresh_stats(run_dir)
+    assert got.keys() == ref.keys()
+    drawn = {}  # key -> (reference, grouped) sums over the sites
+    for sid, stats in ref.items():
+        for key, value in stats.items():
+            if not isinstance(value, dict):
+                assert got[sid][key] == value, (sid, key)
+                continue
+            for fmt, v in value.items():
+                if "+sr" in fmt:
+                    old, new = drawn.get(key, (0.0, 0.0))
+                    drawn[key] = (old + v, new + got[sid][key][fmt])
+                else:
+                    assert got[sid][key][fmt] == v, (sid, key, fmt)
+    assert sorted(drawn) == ["Bdy", "Bdyw", "Gdy", "WGdy"]  # the SR dy candidate's
+    for key, (old, new) in drawn.items():
+        assert 1 / 1.5 < new / old < 1.5, key
+    grouped, whole = train_losses(run_dir), train_losses(snip_run)
+    assert [grouped[i] for i in (1, 2, 3)] == [whole[i] for i in (1, 2, 3)]
