@@ -7,7 +7,8 @@
   then ``5`` written to ``/proc/self/clear_refs``, which sets the peak back to the current
   resident size (Linux >= 4.0). This is the whole process (interpreter, libraries, every
   tensor), as GNU time's ``%M`` measures it, so a CPU reading is comparable to ``%M`` but
-  not to a CUDA one.
+  not to a CUDA one. The reset is the kernel's one peak: ``getrusage`` and so ``%M`` of a
+  run that logs ``mem_gib`` report only the peak since the last reading.
 * Elsewhere (no ``/proc``): no reading (``None``); the metric is then left out.
 
 A reading covers everything between two readings — the logged steps and the hooks around
