@@ -53,10 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-sites-per-pass", type=int, default=0, metavar="N",
                    help="observe at most N of a rank's sites per pass: with several "
                         "micro-batches a step every observed site sums float64 gradients "
-                        "and errors over the pass (5 x 8 bytes per weight with the default "
-                        "candidates), so N bounds that memory, at the cost of repeating the "
-                        "three passes once per group of N sites; 0 (default): all sites in "
-                        "one set of passes. The statistics are the same (stochastic-rounding "
+                        "and errors over the pass (5 x 8 bytes per weight for candidates "
+                        "fp8,fp4), so N bounds that memory, at the cost of repeating the "
+                        "three passes once per group of N sites; 0: all sites in one set of "
+                        "passes. The statistics are the same (stochastic-rounding "
                         "candidates: other draws)"),
     g.add_argument("--snip-probe", choices=PROBES, default="isotropic",
                    help="the backward probe's noise (step 2): isotropic per token (the "
