@@ -16,7 +16,9 @@ one of those N x K tensors is kept until it (six per site, float64). In training
 before step ``s+1`` and swaps them in for the passes; ``A²`` (float32) is then known, so each
 site's tensors are weighted and freed in its own backward (bounded memory: ``docs/snip.md``).
 The gradient buffers are zeroed afterwards and the torch RNG state is restored, so training
-goes on exactly as it would have.
+goes on exactly as it would have. :func:`reduce_statistics` then sums every rank's share
+with one all-reduce of ``sites x stats`` float64 scalars; every rank ends up with the same
+:class:`~megatron_ext.methods.snip.divergence.SiteStats` list, in global site order.
 
 **Sites in groups** (``--snip-sites-per-pass N``). With several micro-batches a step every
 observed site sums its ``dw`` and wgrad errors (float64, N x K) over the whole pass: at 70 B
@@ -24,9 +26,7 @@ on 64 GPUs that is 80 GiB per GPU. With ``N`` set, a rank's sites are observed `
 time: the three passes run once per group, the other sites running the same unquantized
 GEMMs (and the noise site its noise) without recording anything, so each site's
 statistics come from the same operands as in one set of passes. Every rank runs the same
-number of groups (the largest over the world: the pipeline runs all stages together). :func:`reduce_statistics` then sums every rank's share
-with one all-reduce of ``sites x stats`` float64 scalars; every rank ends up with the same
-:class:`~megatron_ext.methods.snip.divergence.SiteStats` list, in global site order.
+number of groups (the largest over the world: the pipeline runs all stages together).
 """
 
 from __future__ import annotations
