@@ -84,7 +84,8 @@ import torch.distributed as dist
 from megatron_ext.formats import Format, fake_quant
 from megatron_ext.formats.amax import finite_amax
 from megatron_ext.formats.fp8 import Fp8Operand, to_fp8
-from megatron_ext.precision.real_gemm import axis_free, runs_real, scaled_mm, transposed
+from megatron_ext.precision.real_gemm import (axis_free, fp8_x_serves_wgrad, runs_real,
+                                              scaled_mm, transposed)
 from megatron_ext.precision.site_formats import GemmOperands
 from megatron_ext.precision.weight_cache import WeightCache
 
@@ -154,7 +155,7 @@ class QuantizedGemm(torch.autograd.Function):
             output = scaled_mm(qx, qw, x.dtype)
             output = output.view(*x.shape[:-1], output.shape[-1])
             kept_w = weight  # dgrad quantizes w itself (the same q(w) for square blocks)
-            if wgrad_real and ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x):
+            if wgrad_real and fp8_x_serves_wgrad(ops):
                 kept_x, fp8_x = None, (qx.data, qx.scale)  # wgrad reads q(x): keep it in FP8
         else:
             w_fprop = _cached(cache if ops.dgrad_reuses_fprop_w else None, ("fake", ops.fprop_w),

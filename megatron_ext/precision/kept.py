@@ -31,7 +31,7 @@ import torch
 
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.gemm import changes
-from megatron_ext.precision.real_gemm import axis_free, fits_real
+from megatron_ext.precision.real_gemm import fits_real, fp8_x_serves_wgrad
 from megatron_ext.precision.site_formats import GemmOperands
 from megatron_ext.sites import COLUMN_SITES
 
@@ -86,7 +86,7 @@ def kept_bytes(ops: GemmOperands, geometry: SiteGeometry, dtype: torch.dtype, re
     if real and fits_real(ops.fprop_x, ops.fprop_w, g.tokens, g.k, g.n):
         wgrad_real = fits_real(ops.wgrad_dy, ops.wgrad_x, g.n, g.tokens, g.k)
         micro = 0.0
-        if wgrad_real and ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x):
+        if wgrad_real and fp8_x_serves_wgrad(ops):
             x_values = g.kept_rows * g.k
             micro = x_values * (1 if g.producer_keeps_x else 1 - size)
         return KeptBytes(float(weights) if cached else 0.0, micro)

@@ -44,7 +44,7 @@ import torch
 
 from megatron_ext.formats import Format, get_format
 from megatron_ext.formats.fp8 import FP8_DTYPES, Fp8Operand, block_shape, is_fp8_format, to_fp8
-from megatron_ext.precision.site_formats import same_either_way
+from megatron_ext.precision.site_formats import GemmOperands, same_either_way
 
 EXECUTION_CHOICES = ("auto", "real", "emulated")
 """``--fp8-execution`` values (see :func:`wants_real`)."""
@@ -113,6 +113,12 @@ def axis_free(fmt: Format | None) -> bool:
     tensor, square blocks): its FP8 data then serves both GEMMs that read the operand,
     transposed (:func:`transposed`)."""
     return is_fp8_format(fmt) and same_either_way(fmt)
+
+
+def fp8_x_serves_wgrad(ops: GemmOperands) -> bool:
+    """Whether a real wgrad's ``x`` is fprop's FP8 ``q(x)`` transposed (one axis-free format
+    for both): the forward then keeps ``q(x)`` in FP8 instead of ``x``."""
+    return ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x)
 
 
 def transposed(op: Fp8Operand) -> Fp8Operand:
@@ -209,4 +215,4 @@ def describe(mode: str, device: torch.device) -> str:
 
 
 __all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "axis_free", "describe", "fits_real", "fp8_gemm",
-           "runs_real", "scaled_mm", "supported", "transposed", "wants_real"]
+           "fp8_x_serves_wgrad", "runs_real", "scaled_mm", "supported", "transposed", "wants_real"]
