@@ -65,6 +65,25 @@ def _error_sums():
             dict(BLOCK=triton_error.BLOCK), 8)
 
 
+def _to_fp8(plan: str):
+    """The real-FP8 cast (``formats/triton_fp8.py``) of a BF16 operand into E4M3."""
+    from megatron_ext.formats import get_format, triton_fp8 as tf
+
+    e = get_format("fp8_e4m3").element
+    element = dict(ELEM_MAX=float(e.max), ELEM_EMAX=e.emax, ELEM_EMIN=e.emin,
+                   ELEM_MBITS=e.mbits, DROP_BITS=e.max_significand_bits)
+    pointers = {"x_ptr": "*bf16", "amax_ptr": "*bf16", "out_ptr": "*fp8e4nv",
+                "scale_ptr": "*fp32"}
+    if plan.startswith("scale and cast"):
+        rows = plan.endswith("rows")
+        return (tf._scale_cast_kernel, pointers,
+                dict(BLOCK=tf._BLOCK // (1 if rows else 2), WHOLE_ROWS=rows, **element),
+                16 if rows else 4)
+    block_m, block_k = (32, 128) if plan == "tiles" else (1, 8192)
+    return (tf._quantize_blocks_kernel, pointers,
+            dict(BLOCK_M=block_m, GROUP_M=1, BLOCK_K=block_k, **element), 16 if plan == "row" else 4)
+
+
 def _gaussws(kernel: str):
     from megatron_ext.methods.gaussws import triton_kernels as gk
 
@@ -86,6 +105,10 @@ CASES = {  # the launchers' sizes: 32 values a thread, 16 with stochastic roundi
     "two-pass apply, fp4_e2m1": lambda: _apply("fp4_e2m1"),
     "two-pass apply, +sr": lambda: _apply("fp4_e2m1+sr"),
     "error sums": _error_sums,
+    "to_fp8 two-pass cast, blocks": lambda: _to_fp8("scale and cast, blocks"),
+    "to_fp8 two-pass cast, rows": lambda: _to_fp8("scale and cast, whole rows"),
+    "to_fp8 one pass, 1x128 tiles": lambda: _to_fp8("tiles"),
+    "to_fp8 one pass, row of 8192": lambda: _to_fp8("row"),
     "GaussWS perturb, BF16": lambda: _gaussws("perturb"),
     "GaussWS eq. 3 sums, BF16": lambda: _gaussws("noise_dot"),
 }

@@ -15,10 +15,11 @@ reduction axis innermost (``cols``); ``scale`` is ``(rows // block_rows, cols //
 (``(1, 1)`` per tensor, ``(rows, 1)`` per row). The input may be a transposed view (wgrad
 reads ``dy.T`` and ``x.T``): it is read in place and the data written transposed.
 
-Speed: on CUDA, 1x128 tiles and 128x128 blocks take one Triton pass (:mod:`.triton_fp8`:
-amax, factors, rounding, one byte written per value); per-tensor and per-row scales take
-two — a read-only amax reduction (``vector_norm(ord=inf)``, no temporary) and a fused
-scale-round-cast kernel; elsewhere three torch ops follow the reduction. The reduction's
+Speed: on CUDA, 1x128 tiles, 128x128 blocks and per-row scales of a row-major operand with
+rows of up to 8,192 values take one Triton pass (:mod:`.triton_fp8`: amax, factors, rounding,
+one byte written per value); per-tensor scales and other per-row ones take two — a read-only
+amax reduction (``vector_norm(ord=inf)``, no temporary) and a fused scale-round-cast kernel;
+elsewhere three torch ops follow the reduction. The reduction's
 amax is *not* finite-filtered (the one-pass kernel's is): an operand holding NaN or inf then
 gets a non-finite scale, so the GEMM's output is non-finite as the emulated GEMM's is, but
 not equal to it.
@@ -35,6 +36,10 @@ from .scaling import AmaxScaling
 
 __all__ = ["FP8_DTYPES", "Fp8Operand", "block_shape", "is_fp8_format", "to_fp8"]
 
+ROW_MAX = 8192
+"""The longest row whose per-row scale the one-pass kernel makes (the values a program of
+``triton_kernels`` holds, ``TILE_ELEMS``; longer rows, and a transposed operand's, take the
+two passes)."""
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 """torch dtype of each FP8 element type (the OCP bit patterns :mod:`.codes` stores)."""
 
@@ -74,8 +79,8 @@ def to_fp8(t: torch.Tensor, fmt: Format, tensor_amax: torch.Tensor | None = None
     br, bc = block_shape(fmt, rows, cols)
     if rows % br or cols % bc:
         raise ValueError(f"{fmt}: blocks {br}x{bc} do not divide a {rows}x{cols} operand")
-    if t.is_cuda and fmt.scaling.cols is not None and fmt.scaling.cols <= 128:
-        from .triton_fp8 import quantize_blocks  # one pass for tiles and blocks
+    if t.is_cuda and _one_pass(fmt, t):
+        from .triton_fp8 import quantize_blocks
 
         return Fp8Operand(*quantize_blocks(t, fmt, FP8_DTYPES[fmt.element.name]), fmt)
     amax = _block_amax(t, br, bc) if tensor_amax is None else tensor_amax.reshape(1, 1)
@@ -87,6 +92,15 @@ def to_fp8(t: torch.Tensor, fmt: Format, tensor_amax: torch.Tensor | None = None
     factors = fmt.scaling.factors(amax.float(), fmt.element)
     return Fp8Operand(_scale_and_cast(t, factors.quant, br, bc, fmt.element, dtype),
                       factors.dequant.contiguous(), fmt)
+
+
+def _one_pass(fmt: Format, t: torch.Tensor) -> bool:
+    """Whether the one-pass kernel takes ``t``: tiles and blocks up to 128 wide, and per-row
+    scales of a row-major operand whose rows fit one program (:data:`ROW_MAX`)."""
+    s = fmt.scaling
+    if s.cols is not None:
+        return s.cols <= 128
+    return s.rows == 1 and t.stride(1) == 1 and t.shape[1] <= ROW_MAX
 
 
 def _block_amax(t: torch.Tensor, br: int, bc: int) -> torch.Tensor:

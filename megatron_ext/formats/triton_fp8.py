@@ -1,7 +1,8 @@
 """Triton kernels that write one operand in FP8 (see :mod:`.fp8`).
 
-:func:`quantize_blocks` does everything in one pass for 1x128 tiles and 128x128 blocks: a
-program loads whole scale blocks, takes their finite amax, makes the factors with the
+:func:`quantize_blocks` does everything in one pass for 1x128 tiles, 128x128 blocks and rows
+of up to ``fp8.ROW_MAX`` values (per-row scales of a row-major operand): a program loads whole
+scale blocks, takes their finite amax, makes the factors with the
 reference's rules (``_factors`` of :mod:`.triton_kernels`, as ``fake_quant``'s kernel does),
 rounds, and writes the FP8 values and the float32 block scales.
 
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .grid import cdiv
-from .triton_kernels import _factors, _round_grid
+from .triton_kernels import TILE_ELEMS, _factors, _round_grid
 
 __all__ = ["quantize_blocks", "scale_and_cast"]
 
@@ -31,26 +32,36 @@ _BLOCK = 64
 @triton.jit
 def _scale_cast_kernel(
     x_ptr, amax_ptr, out_ptr, scale_ptr, n_rows, n_cols, sx_r, sx_c, scale_rows, scale_cols,
-    n_scale_cols, BLOCK: tl.constexpr, ELEM_MAX: tl.constexpr, ELEM_EMAX: tl.constexpr,
-    ELEM_EMIN: tl.constexpr, ELEM_MBITS: tl.constexpr, DROP_BITS: tl.constexpr,
+    n_scale_cols, BLOCK: tl.constexpr, WHOLE_ROWS: tl.constexpr, ELEM_MAX: tl.constexpr,
+    ELEM_EMAX: tl.constexpr, ELEM_EMIN: tl.constexpr, ELEM_MBITS: tl.constexpr,
+    DROP_BITS: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK x BLOCK tile: factors of each value's scale block from its amax, round, cast;
-    the first value of each scale block writes the block's ``d``."""
+    the first value of each scale block writes the block's ``d``. WHOLE_ROWS (per-tensor and
+    per-row scales: a block spans every column): one amax and its factors per row."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * sx_r + c64[None, :] * sx_c, mask=mask, other=0.0)
-    index = (r64[:, None] // scale_rows) * n_scale_cols + c64[None, :] // scale_cols
-    amax = tl.load(amax_ptr + index, mask=mask, other=1.0).to(tl.float32)
-    quant, dequant = _factors(amax, amax, 0, ELEM_MAX, ELEM_EMAX, DROP_BITS)
+    if WHOLE_ROWS:
+        index = (r64 // scale_rows)[:, None]
+        amax = tl.load(amax_ptr + index, mask=rows[:, None] < n_rows, other=1.0)
+    else:
+        index = (r64 // scale_rows)[:, None] * n_scale_cols + (c64 // scale_cols)[None, :]
+        amax = tl.load(amax_ptr + index, mask=mask, other=1.0)
+    quant, dequant = _factors(amax.to(tl.float32), amax.to(tl.float32), 0, ELEM_MAX, ELEM_EMAX,
+                              DROP_BITS)
     x = x.to(tl.float32)
     v = _round_grid(x * quant, x, ELEM_MAX, ELEM_EMIN, ELEM_MBITS, False, False)
     sign = x.to(tl.int32, bitcast=True) & -2147483648  # a value rounded to 0 keeps its sign
     v = ((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
     tl.store(out_ptr + r64[:, None] * n_cols + c64[None, :], v.to(out_ptr.dtype.element_ty),
              mask=mask)
-    first = mask & (r64[:, None] % scale_rows == 0) & (c64[None, :] % scale_cols == 0)
+    if WHOLE_ROWS:  # each column tile writes its rows' d (the same value)
+        first = ((rows < n_rows) & (r64 % scale_rows == 0))[:, None]
+    else:
+        first = mask & (r64 % scale_rows == 0)[:, None] & (c64 % scale_cols == 0)[None, :]
     tl.store(scale_ptr + index, dequant, mask=first)
 
 
@@ -63,12 +74,17 @@ def scale_and_cast(t: torch.Tensor, amax: torch.Tensor, block_rows: int, block_c
     out = torch.empty(rows, cols, dtype=dtype, device=t.device)
     amax = amax.contiguous()
     scale = torch.empty(amax.shape, dtype=torch.float32, device=t.device)
-    grid = (cdiv(rows, _BLOCK), cdiv(cols, _BLOCK))
+    whole_rows = block_cols == cols
+    # 8 values a thread (64 registers on sm_90 for whole rows); per-value factors at 64 x 64
+    # and 4 warps would spill
+    block, warps = (_BLOCK, 16) if whole_rows else (_BLOCK // 2, 4)
+    grid = (cdiv(rows, block), cdiv(cols, block))
     _scale_cast_kernel[grid](
         t, amax, out, scale, rows, cols, t.stride(0), t.stride(1), block_rows, block_cols,
-        amax.shape[1], BLOCK=_BLOCK, ELEM_MAX=float(element.max), ELEM_EMAX=element.emax,
+        amax.shape[1], BLOCK=block, WHOLE_ROWS=whole_rows,
+        ELEM_MAX=float(element.max), ELEM_EMAX=element.emax,
         ELEM_EMIN=element.emin, ELEM_MBITS=element.mbits,
-        DROP_BITS=element.max_significand_bits, num_warps=4, enable_fp_fusion=False,
+        DROP_BITS=element.max_significand_bits, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out, scale
 
@@ -108,19 +124,23 @@ def _quantize_blocks_kernel(
 
 def quantize_blocks(t: torch.Tensor, fmt, dtype: torch.dtype):
     """``(data, scale)`` of ``t`` (2-D, any strides) in ``fmt``'s 1xN tiles or NxN blocks
-    (N a power of two <= 128 that divides the shape), one pass."""
+    (N a power of two <= 128 that divides the shape), or per row (rows of at most
+    ``TILE_ELEMS`` values, read row-major), one pass."""
     rows, cols = t.shape
     s, e = fmt.scaling, fmt.element
     group_m = s.rows
-    block_m = group_m if group_m > 1 else 32
+    block_k = s.cols or triton.next_power_of_2(cols)  # a whole row, its tail masked
+    block_m = group_m if group_m > 1 else min(32, max(1, TILE_ELEMS // block_k))
     out = torch.empty(rows, cols, dtype=dtype, device=t.device)
-    scale = torch.empty(rows // group_m, cols // s.cols, dtype=torch.float32, device=t.device)
-    grid = (cdiv(rows, block_m), cols // s.cols)
+    scale = torch.empty(rows // group_m, cdiv(cols, block_k), dtype=torch.float32,
+                        device=t.device)  # fmt: skip
+    grid = (cdiv(rows, block_m), scale.shape[1])
     _quantize_blocks_kernel[grid](
         t, out, scale, rows, cols, t.stride(0), t.stride(1), scale.shape[1],
-        BLOCK_M=block_m, GROUP_M=group_m, BLOCK_K=s.cols, ELEM_MAX=float(e.max),
+        BLOCK_M=block_m, GROUP_M=group_m, BLOCK_K=block_k, ELEM_MAX=float(e.max),
         ELEM_EMAX=e.emax, ELEM_EMIN=e.emin, ELEM_MBITS=e.mbits,
-        DROP_BITS=e.max_significand_bits, num_warps=8 if block_m * s.cols >= 8192 else 4,
+        DROP_BITS=e.max_significand_bits, num_warps=16 if s.cols is None else
+        (8 if block_m * block_k >= 8192 else 4),  # rows: 16 values a thread, 63 registers
         enable_fp_fusion=False,
     )  # fmt: skip
     return out, scale

@@ -55,3 +55,18 @@ def test_what_is_not_an_fp8_operand_is_refused():
         to_fp8(torch.ones(16, 16), get_format("mxfp8"))
     with pytest.raises(ValueError, match="do not divide"):
         to_fp8(torch.ones(16, 200), get_format("fp8_e4m3@tile128"))
+
+
+def test_the_one_pass_kernel_takes_tiles_blocks_and_short_row_major_rows():
+    from megatron_ext.formats.fp8 import ROW_MAX, _one_pass
+    from megatron_ext.formats.triton_kernels import TILE_ELEMS
+
+    assert ROW_MAX <= TILE_ELEMS  # a row fits one program
+
+    x, long = torch.ones(64, 256), torch.ones(2, 2 * ROW_MAX)
+    assert _one_pass(get_format("fp8_e4m3@tile128"), x.t())
+    assert _one_pass(get_format("fp8_e4m3@block128"), x)
+    assert _one_pass(get_format("fp8_e4m3@row"), x)
+    assert not _one_pass(get_format("fp8_e4m3@row"), x.t())  # strided rows: two passes
+    assert not _one_pass(get_format("fp8_e4m3@row"), long)
+    assert not _one_pass(get_format("fp8_e4m3"), x)  # per tensor: a reduction first

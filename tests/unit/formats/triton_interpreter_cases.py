@@ -159,13 +159,15 @@ def test_fp8_scale_and_cast_kernel_equals_the_torch_path(name, transposed):
     assert torch.equal(scale, ref.scale)
 
 
-@pytest.mark.parametrize("name,transposed", [("fp8_e4m3@tile128", False), ("fp8_e5m2@tile128", True),
-                                             ("fp8_e4m3@block128", False), ("fp8_e4m3@block128", True)])
-def test_fp8_one_pass_block_kernel_equals_the_torch_path(name, transposed):
+@pytest.mark.parametrize("name,transposed,shape", [
+    ("fp8_e4m3@tile128", False, (256, 256)), ("fp8_e5m2@tile128", True, (256, 256)),
+    ("fp8_e4m3@block128", False, (256, 256)), ("fp8_e4m3@block128", True, (256, 256)),
+    ("fp8_e4m3@row", False, (256, 256)), ("fp8_e5m2@row", False, (37, 300))])
+def test_fp8_one_pass_block_kernel_equals_the_torch_path(name, transposed, shape):
     from megatron_ext.formats import fp8, triton_fp8
 
     fmt = get_format(name)
-    x = special_input((256, 256), torch.float32)
+    x = special_input(shape, torch.float32)
     x[1, 1], x[2, 2] = 1.0, -2.0  # finite (the reduction path's amax is not finite-filtered)
     operand = x.t().contiguous().t() if transposed else x
     ref = fp8.to_fp8(operand, fmt)  # CPU tensors: the torch path
