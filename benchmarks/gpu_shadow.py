@@ -60,9 +60,16 @@ UNWRITTEN = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.ne
 aten = torch.ops.aten
 
 
+ON_A_GPU = torch.cuda.is_available()
+"""A real GPU: a tensor's place is its device (a mark, carried through a copy to the host
+by the ops' rule "outputs where the inputs are", would count host reads as device ones)."""
+
+
 def placement(t) -> bool | None:
     """True: a GPU run keeps ``t`` on the device; False: on the host; None: unknown."""
-    return getattr(t, ON_DEVICE, None) if isinstance(t, torch.Tensor) else None
+    if not isinstance(t, torch.Tensor):
+        return None
+    return t.device.type == "cuda" if ON_A_GPU else getattr(t, ON_DEVICE, None)
 
 
 def mark(tensors, on_device: bool = True) -> None:

@@ -45,6 +45,16 @@ def test_counts_reads_of_device_tensors_only():
     assert not host_syncs.on_device(copy) and host_syncs.on_device(loss)
 
 
+def test_on_a_gpu_a_tensors_place_is_its_device(monkeypatch):
+    """On a GPU the marks are not read: ``flat.cpu()[i]`` of a device ``flat`` is a host
+    tensor (the count read SNIP's 608 host floats as device reads on the H100)."""
+    marked = torch.ones(2)
+    host_syncs.mark([marked])
+    assert host_syncs.on_device(marked)
+    monkeypatch.setattr(gpu_shadow, "ON_A_GPU", True)
+    assert not host_syncs.on_device(marked)  # a CPU tensor, whatever its mark
+
+
 def test_counts_launches_of_ops_on_device_tensors_and_triton_kernels(monkeypatch):
     """One launch per op on device tensors, per tensor made on the device from none and per
     copy between host and device; none for a view, an allocation or an op on host tensors;
