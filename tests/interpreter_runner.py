@@ -25,3 +25,15 @@ def assert_cases_pass(cases: Path, at_least: int) -> None:
     assert proc.returncode == 0, f"{summary}\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= at_least and "failed" not in summary, summary
+
+
+def interpreter_fma_rounds_once() -> bool:
+    """Whether this Triton's interpreter rounds ``tl.fma`` once, as the GPU does (triton 3.6's
+    multiplies, rounds, then adds): ``(1 + 2**-12)**2 - (1 + 2**-11)`` is ``2**-24`` only so."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    a, c = np.float32(1 + 2**-12), np.float32(-(1 + 2**-11))
+    handle = [TensorHandle(np.array([v], np.float32), tl.float32) for v in (a, a, c)]
+    return InterpreterBuilder().create_fma(*handle).data[0] == 2**-24
