@@ -72,6 +72,19 @@ def test_the_new_sections_call_the_benchmarks_run(monkeypatch, tmp_path):
     assert "metrics.jsonl" in gpu_sections._refresh_ratio(tmp_path)
 
 
+def test_per_tensor_to_fp8s_two_passes_are_timed_apart(monkeypatch):
+    sys.path.insert(0, str(REPO))
+    from benchmarks import gpu_sections
+    from megatron_ext.formats import triton_fp8
+
+    seconds = iter([2e-3, 1e-3])
+    monkeypatch.setattr(gpu_sections, "_time", lambda fn: (fn(), next(seconds))[1])
+    monkeypatch.setattr(triton_fp8, "scale_and_cast", lambda *args: None)  # a GPU kernel
+    row = gpu_sections._two_passes(torch.randn(8, 8).bfloat16(), clone_s=1e-3)
+    assert row == {"format": "to_fp8 fp8_e4m3, each pass", "dtype": "bfloat16",
+                   "amax x clone": 2.0, "cast x clone": 1.0}
+
+
 def test_pytest_outcomes_name_the_failures_of_a_cut_off_run():
     sys.path.insert(0, str(REPO))
     from benchmarks.gpu_sections import pytest_outcomes
@@ -137,7 +150,8 @@ def test_issue_22s_targets_from_two_calls_results(tmp_path):
     first = {"train": {"rows": [
         {"config": "bf16", "tokens/s": 40000},
         {"config": "snip", "tokens/s": 25000, "refresh x step memory": 1.02},
-        {"config": "pgq", "tokens/s": 20000, "profile batch x step": 2.5},
+        {"config": "pgq", "tokens/s": 20000, "profile batch x step": 2.5,
+         "last profile batch x step": 0.9},
         {"config": "pgq plan", "tokens/s": 20500}]},
         "formats": {"rows": [{"format": "int8@row", "dtype": "bfloat16", "x_clone": 2.1},
                              {"format": "fp8_e4m3", "dtype": "bfloat16", "x_clone": 3.4}]}}
@@ -151,6 +165,7 @@ def test_issue_22s_targets_from_two_calls_results(tmp_path):
         "SNIP step time x its own plan's (--precision-plan)": "met",  # 0.96
         "PGQ step time x its recipe's (--precision-plan)": "met",  # 1.02
         "PGQ profile per batch x a step": "NOT met",
+        "PGQ profile's last batch x a step (no first-use Triton compilation)": "met",
         "STQuant optimizer step x fused AdamW": "not run",
         "every format's GPU path x clone()": "NOT met"}
     assert rows["SNIP step time x BF16's"]["measured"] == "1.6x"
