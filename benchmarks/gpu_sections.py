@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -305,6 +306,11 @@ def sync_counts(steps: list[dict]) -> dict:
     if "cuda_syncs" in steps[0]:
         row.update({"CUDA syncs / step": statistics.median(s["cuda_syncs"] for s in quiet),
                     "most CUDA syncs": max(s["cuda_syncs"] for s in steps)})
+        sources = Counter()
+        for s in quiet:
+            sources.update(s.get("cuda_sync_sources", {}))
+        row["CUDA syncs by source / step"] = {k: round(n / len(quiet), 1)
+                                              for k, n in sources.most_common(5)}
     return row
 
 

@@ -163,8 +163,9 @@ class SyncCounter(TorchDispatchMode):
         # run, whose own ops are not counted
         self._triton = launch_count.TritonLaunches(lambda: self.record("launch"), self._inside)
         cuda = self._on_gpu = torch.cuda.is_available()
-        self.cuda_syncs: dict[int, int] | None = {} if cuda else None
-        """On a GPU: per step, the synchronising CUDA calls ``set_sync_debug_mode`` reports."""
+        self.cuda_syncs: dict[int, Counter] | None = {} if cuda else None
+        """On a GPU: step -> source -> the synchronising CUDA calls ``set_sync_debug_mode``
+        reports."""
         self._warnings = warnings.catch_warnings()
         self._shadow = None if cuda else gpu_shadow.Shadow(self.record, cuda_branches)
 
@@ -225,7 +226,7 @@ class SyncCounter(TorchDispatchMode):
         if "synchronizing CUDA" not in str(message):
             self._shown(message, *rest)
         elif threading.current_thread() is self._main:
-            self.cuda_syncs[self.step] = self.cuda_syncs.get(self.step, 0) + 1
+            self.cuda_syncs.setdefault(self.step, Counter())[_source()[0]] += 1
 
     def _wrap(self, name: str, original):
         def method(tensor, *args, **kwargs):
@@ -268,7 +269,9 @@ class SyncCounter(TorchDispatchMode):
                      "uploads": sum(self.uploads.get(s, {}).values()),
                      "upload_sources": per_step(self.uploads, s),
                      "mixed": per_step(self.mixed, s)}),
-                 **({} if self.cuda_syncs is None else {"cuda_syncs": self.cuda_syncs.get(s, 0)})}
+                 **({} if self.cuda_syncs is None else {
+                     "cuda_syncs": sum(self.cuda_syncs.get(s, {}).values()),
+                     "cuda_sync_sources": per_step(self.cuda_syncs, s)})}
                 for s, logged in sorted(self.logged.items())]
 
 

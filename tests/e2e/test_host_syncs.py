@@ -55,6 +55,15 @@ def test_on_a_gpu_a_tensors_place_is_its_device(monkeypatch):
     assert not host_syncs.on_device(marked)  # a CPU tensor, whatever its mark
 
 
+def test_cudas_sync_warnings_are_counted_by_step_and_source():
+    counter = host_syncs.SyncCounter()
+    counter.cuda_syncs, counter.logged, counter.step = {}, {1: False}, 1  # as on a GPU
+    counter._on_warning(UserWarning("called a synchronizing CUDA operation"))
+    counter._on_warning(UserWarning("called a synchronizing CUDA operation"))
+    step, = counter.steps()
+    assert step["cuda_syncs"] == 2 and sum(step["cuda_sync_sources"].values()) == 2
+
+
 def test_counts_launches_of_ops_on_device_tensors_and_triton_kernels(monkeypatch):
     """One launch per op on device tensors, per tensor made on the device from none and per
     copy between host and device; none for a view, an allocation or an op on host tensors;

@@ -121,12 +121,15 @@ def test_the_syncs_section_runs_host_syncs_and_counts_per_step(tmp_path):
     [row] = result["rows"]  # no launch-cost rows without a GPU
     assert row.pop("launches / step") > 100  # the launches' own count: test_host_syncs.py
     assert row == {"config": "uniform:fp8", "reads / step": 3, "most reads": 3}
-    on_gpu = [{"step": 1, "logged": True, "count": 9, "cuda_syncs": 12, "launches": 900},
-              {"step": 2, "logged": False, "count": 3, "cuda_syncs": 4, "launches": 700},
-              {"step": 3, "logged": False, "count": 5, "cuda_syncs": 6, "launches": 800}]
+    on_gpu = [{"step": 1, "logged": True, "count": 9, "cuda_syncs": 12, "launches": 900,
+               "cuda_sync_sources": {"a.py:1 f": 12}},
+              {"step": 2, "logged": False, "count": 3, "cuda_syncs": 4, "launches": 700,
+               "cuda_sync_sources": {"a.py:1 f": 3, "b.py:2 g": 1}},
+              {"step": 3, "logged": False, "count": 5, "cuda_syncs": 6, "launches": 800,
+               "cuda_sync_sources": {"a.py:1 f": 6}}]
     assert gpu_sections.sync_counts(on_gpu) == {
         "reads / step": 4, "most reads": 9, "launches / step": 750, "CUDA syncs / step": 5,
-        "most CUDA syncs": 12}
+        "most CUDA syncs": 12, "CUDA syncs by source / step": {"a.py:1 f": 4.5, "b.py:2 g": 0.5}}
 
 
 def test_a_row_flag_the_shape_names_replaces_its_value():
