@@ -32,8 +32,12 @@ def interpreter_fma_rounds_once() -> bool:
     multiplies, rounds, then adds): ``(1 + 2**-12)**2 - (1 + 2**-11)`` is ``2**-24`` only so."""
     import numpy as np
     import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
-    a, c = np.float32(1 + 2**-12), np.float32(-(1 + 2**-11))
-    handle = [TensorHandle(np.array([v], np.float32), tl.float32) for v in (a, a, c)]
-    return InterpreterBuilder().create_fma(*handle).data[0] == 2**-24
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+        a, c = np.float32(1 + 2**-12), np.float32(-(1 + 2**-11))
+        handle = [TensorHandle(np.array([v], np.float32), tl.float32) for v in (a, a, c)]
+        return bool(InterpreterBuilder().create_fma(*handle).data[0] == 2**-24)
+    except (ImportError, AttributeError, TypeError):  # another Triton's internals: run the
+        return True  # cases, which then say whether its fma rounds once
