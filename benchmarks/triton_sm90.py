@@ -69,9 +69,7 @@ def _to_fp8(plan: str):
     """The real-FP8 cast (``formats/triton_fp8.py``) of a BF16 operand into E4M3."""
     from megatron_ext.formats import get_format, triton_fp8 as tf
 
-    e = get_format("fp8_e4m3").element
-    element = dict(ELEM_MAX=float(e.max), ELEM_EMAX=e.emax, ELEM_EMIN=e.emin,
-                   ELEM_MBITS=e.mbits, DROP_BITS=e.max_significand_bits)
+    element = tf.element_args(get_format("fp8_e4m3").element)
     pointers = {"x_ptr": "*bf16", "amax_ptr": "*bf16", "out_ptr": "*fp8e4nv",
                 "scale_ptr": "*fp32"}
     if plan.startswith("scale and cast"):

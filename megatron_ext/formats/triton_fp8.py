@@ -65,6 +65,12 @@ def _scale_cast_kernel(
     tl.store(scale_ptr + index, dequant, mask=first)
 
 
+def element_args(element) -> dict:
+    """The FP8 element's constexprs both kernels take (its grid and the amax rule's)."""
+    return dict(ELEM_MAX=float(element.max), ELEM_EMAX=element.emax, ELEM_EMIN=element.emin,
+                ELEM_MBITS=element.mbits, DROP_BITS=element.max_significand_bits)
+
+
 def scale_and_cast(t: torch.Tensor, amax: torch.Tensor, block_rows: int, block_cols: int,
                    element, dtype: torch.dtype):
     """``(data, d)``: ``round(t * (1/d))`` as ``dtype`` ``(rows, cols)`` and float32 ``d`` per
@@ -81,10 +87,8 @@ def scale_and_cast(t: torch.Tensor, amax: torch.Tensor, block_rows: int, block_c
     grid = (cdiv(rows, block), cdiv(cols, block))
     _scale_cast_kernel[grid](
         t, amax, out, scale, rows, cols, t.stride(0), t.stride(1), block_rows, block_cols,
-        amax.shape[1], BLOCK=block, WHOLE_ROWS=whole_rows,
-        ELEM_MAX=float(element.max), ELEM_EMAX=element.emax,
-        ELEM_EMIN=element.emin, ELEM_MBITS=element.mbits,
-        DROP_BITS=element.max_significand_bits, num_warps=warps, enable_fp_fusion=False,
+        amax.shape[1], BLOCK=block, WHOLE_ROWS=whole_rows, **element_args(element),
+        num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out, scale
 
@@ -137,10 +141,8 @@ def quantize_blocks(t: torch.Tensor, fmt, dtype: torch.dtype):
     grid = (cdiv(rows, block_m), scale.shape[1])
     _quantize_blocks_kernel[grid](
         t, out, scale, rows, cols, t.stride(0), t.stride(1), scale.shape[1],
-        BLOCK_M=block_m, GROUP_M=group_m, BLOCK_K=block_k, ELEM_MAX=float(e.max),
-        ELEM_EMAX=e.emax, ELEM_EMIN=e.emin, ELEM_MBITS=e.mbits,
-        DROP_BITS=e.max_significand_bits, num_warps=16 if s.cols is None else
-        (8 if block_m * block_k >= 8192 else 4),  # rows: 16 values a thread, 63 registers
-        enable_fp_fusion=False,
+        BLOCK_M=block_m, GROUP_M=group_m, BLOCK_K=block_k, **element_args(e),
+        num_warps=16 if s.cols is None else (8 if block_m * block_k >= 8192 else 4),
+        enable_fp_fusion=False,  # rows: 16 values a thread, 63 registers on sm_90
     )  # fmt: skip
     return out, scale
