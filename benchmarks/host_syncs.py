@@ -26,8 +26,8 @@ costs nothing, it is invisible. So this script trains in its own process, on CPU
 It also counts the kernels a GPU run would launch (``launch_count.py``: an op on device
 tensors but a view or an allocation, a collective, a copy between host and device, a
 Triton kernel, each charged to its line like a read): where a GPU step waits for its host,
-a method's step time follows its launches, not its memory traffic (BENCHMARKS.md, "Host
-time of a step").
+a method's step time follows its launches, not its memory traffic (benchmarks/results/
+2026-11-27-host-time.md).
 
 It prints, per step, the reads, the launches and whether the step was logged
 (``--log-interval``: a logged step may read more, for its metrics), then the sources of the

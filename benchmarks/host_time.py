@@ -7,7 +7,7 @@ On a GPU the host queues every kernel: Python, the dispatcher, a launch. When a 
 host work outlasts its kernels, the GPU waits, and a method's extra host work per layer
 and site adds to the step time whatever its kernels cost. TinyLlama-1.1B's 22 layers at
 4,096 tokens a step on an H200 are in that regime for the methods' small per-site ops
-(BENCHMARKS.md, "Host time of a step"). This script trains a Llama of the same depth, 22
+(benchmarks/results/2026-11-27-host-time.md). This script trains a Llama of the same depth, 22
 layers, at widths so small that the kernels take next to nothing on CPU (hidden 64, 32
 tokens a step): its step time is nearly all host work, the part of a GPU step that does
 not shrink with a faster GPU. It runs each method's flags (:data:`RUNS`) as a child

@@ -2,7 +2,7 @@
 
 On a GPU each launch costs the host its Python and driver time; a step whose host work
 outlasts its kernels keeps the device waiting, and then a method's many small launches add
-to the step time whatever the kernels cost (BENCHMARKS.md, "Host time of a step": the
+to the step time whatever the kernels cost (benchmarks/results/2026-11-27-host-time.md: the
 TinyLlama-1.1B step looks like that, not yet confirmed on a GPU). A launch, counted one per
 call, is
 

@@ -3,9 +3,9 @@
 Every entry point (``pretrain_*.py``, ``tools/``, ``benchmarks/``) puts its own checkout first
 on ``sys.path``, so ``PYTHONPATH=<another checkout> python <this checkout>/benchmarks/x.py``
 runs *this* checkout's code, not the one ``PYTHONPATH`` names. A before/after measurement
-made that way compares the new code with itself, silently (it happened once: BENCHMARKS.md,
-"One quantization for two GEMMs"); the way to measure the other checkout is its own copy of
-the script. :func:`warn_other_checkouts` says so in one line on stderr (rank 0 only).
+made that way compares the new code with itself, silently (it happened once:
+benchmarks/results/2026-11-27-quantize-once.md); the way to measure the other checkout is its
+own copy of the script. :func:`warn_other_checkouts` says so in one line on stderr (rank 0 only).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 In triton 3.x ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: a
 call from host code unwraps each argument first. A two-pass quantizer call makes ten of
 them; done here, its host time went from 31 to 17 µs on CPU, and a GPU step whose time is
-the host's pays each (BENCHMARKS.md, "Host time of a step").
+the host's pays each (benchmarks/results/2026-11-27-host-time.md).
 """
 
 

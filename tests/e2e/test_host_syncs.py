@@ -119,7 +119,7 @@ def test_composed_run_reads_the_host_per_step_not_per_site(tmp_path):
     # as a GPU run places them: no op mixes host and device tensors (the script exits 1
     # otherwise); the refresh's host copies come back without a wait (5 uploads: its probe
     # noise and megatron's grad-norm flag, which every step uploads; a blocking copy back
-    # per stored tensor was ~150 more, BENCHMARKS.md "Uploads and mixed devices")
+    # per stored tensor was ~150 more, benchmarks/results/2026-11-27-host-syncs.md)
     assert not any(s["mixed"] for s in steps.values())
     assert steps[4]["uploads"] <= 8 and steps[2]["uploads"] <= 2, steps[4]["upload_sources"]
 

@@ -11,7 +11,7 @@ handle whose :meth:`Stored.get` brings the tensor back where it is used:
   on the stream (``non_blocking``, a CUDA event after it) and comes back the same way, so
   neither direction waits for the GPU; only the host reading the copy waits, on the event
   (a blocking copy each way per tensor was a synchronisation each: 125 reads and 139
-  uploads per refresh of the tiny model, BENCHMARKS.md "Uploads and mixed devices").
+  uploads per refresh of the tiny model, benchmarks/results/2026-11-27-host-syncs.md).
   Pinned memory stays with torch's caching host allocator after the refresh;
 * ``disk``: the tensor is written to a file (``torch.save``) in a folder of its own under the
   run directory and read back (``torch.load``) at each use, so memory holds one site's

@@ -1,8 +1,8 @@
 """The estimator check (paper Fig. 13) end to end, small: SNIP's estimates against the measured
 effect of quantizing one site at a time (``benchmarks/snip_estimator.py``, a ground-truth
-re-run per site), on the tiny Llama after 200 steps: the configuration of ``BENCHMARKS.md``
-("SNIP estimator check"). Early in training (40 steps) the backward estimate ranks worse
-(0.62), see there."""
+re-run per site), on the tiny Llama after 200 steps: the configuration of
+``benchmarks/results/2026-11-22-snip-estimator.md``. Early in training (40 steps) the backward
+estimate ranks worse (0.62), see there."""
 
 import json
 import subprocess
