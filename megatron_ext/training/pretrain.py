@@ -121,6 +121,7 @@ def parse_and_validate(family: str, argv, extensions: list[ext.Extension]):
     simulated = dry_run.request(family, argv, provider, optimizers)
     args = parse_args(family, argv, provider, simulated and simulated.world_size, optimizers)
     ext.refuse_inactive_flags(extensions, args, given)  # --snip-budget without SNIP: one line
+    ext.refuse_conflicts(extensions, args)  # --precision snip --use-megatron-fsdp: one line
     for validate in ext.hooks(extensions, "validate"):
         validate(args)
     return args, simulated

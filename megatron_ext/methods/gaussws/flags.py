@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron_ext.errors import UsageError, finite_float
+from megatron_ext.extension import Conflict, no_fsdp
 from megatron_ext.sites import SITES
 
 SITE_GROUPS = {"od": ("proj", "fc2"), "all": SITES}
@@ -38,6 +40,9 @@ def parse_sites(spec: str) -> tuple[str, ...]:
 class GaussWSConfig:
     """Gaussian weight sampling for one run (paper §3.2-3.7)."""
 
+    CONFLICTS: ClassVar[tuple[Conflict, ...]] = no_fsdp(
+        "use DDP or --use-distributed-optimizer")
+    """The flags ``--gaussws`` does not run with."""
     sites: tuple[str, ...] = ()
     """Sites whose weights are sampled (``--gaussws``); empty: GaussWS off."""
     b_init: float = 6.0

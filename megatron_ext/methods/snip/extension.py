@@ -47,7 +47,6 @@ from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.snip.refresh import (WeightSnapshot, adam_squares, collect,
                                                reduce_statistics)
 from megatron_ext.methods.snip.tensor_store import TensorStore, resolve
-from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.training.distributed import device
 
@@ -110,9 +109,7 @@ class SnipRun:
         return self.config
 
     def validate(self, args) -> None:
-        if self.configure(args) is not None and args.use_torch_fsdp2:  # whole weights
-            raise UsageError(f"--precision {self.config.policy} does not run under "
-                             "--use-torch-fsdp2 yet (its statistics need unsharded weights)")
+        self.configure(args)
 
     def make_plan(self, args, arg=None) -> PrecisionPlan:
         """The policies' ``make``: :func:`initial_plan` under this run's config."""
@@ -301,6 +298,7 @@ def snip_extension(controller: PlanController) -> Extension:
 
     return Extension(name="snip", add_arguments=add_arguments, validate=snip.validate,
                      active=active, enabled_by=ENABLED_BY, policies=policies, plots=PLOTS,
+                     conflicts=SnipConfig.CONFLICTS,
                      describe=when_on(lambda args: describe(snip.config, args)),
                      after_setup=when_on(snip.after_setup), before_step=when_on(snip.before_step),
                      on_step=when_on(snip.on_step),

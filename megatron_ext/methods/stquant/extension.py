@@ -77,6 +77,7 @@ def stquant_extension(controller=None) -> Extension:
     stquant = StquantRun()
     return Extension("stquant", add_arguments=add_arguments, validate=stquant.validate,
                      active=active, enabled_by=ENABLED_BY, optimizers=(OPTIMIZER,), plots=PLOTS,
+                     conflicts=STQuantConfig.CONFLICTS,
                      describe=lambda args: describe(stquant.config) if stquant.config else None,
                      wrap_optimizer=stquant.wrap_optimizer, on_step=stquant.on_step,
                      dry_run_estimate=lambda args, context:

@@ -90,12 +90,18 @@ def test_bad_flags_are_one_line(argv, message):
 
 
 def test_fsdp_is_refused():
+    from megatron_ext.extension import refuse_conflicts
+    from megatron_ext.methods.gnmr.extension import gnmr_extension
+
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--gnmr"])
-    args.use_torch_fsdp2, args.use_megatron_fsdp = True, False
-    with pytest.raises(UsageError, match="does not run with --use-torch-fsdp2"):
-        config_from_args(args)
+    for fsdp2, megatron_fsdp in ((True, False), (False, True)):
+        args.use_torch_fsdp2, args.use_megatron_fsdp = fsdp2, megatron_fsdp
+        with pytest.raises(UsageError, match="gnmr does not run with --use-"):
+            refuse_conflicts([gnmr_extension(None)], args)
+    args.gnmr = False  # off: its conflicts do not apply
+    refuse_conflicts([gnmr_extension(None)], args)
 
 
 # tiny llama (h 128, 4 heads of 32, 2 KV groups, SwiGLU 352), TP=2 x PP=2, 4 micro-batches

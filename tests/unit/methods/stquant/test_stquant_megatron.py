@@ -189,13 +189,15 @@ def _deep_clone(value):
     (["--stquant-ema", "0"], "--stquant-ema must be in"),
     (["--stquant-tau", "-1"], "--stquant-tau must be positive"),
     (["--stquant-thresholds", "12", "6.8", "24"], "--stquant-thresholds must be increasing"),
-    (["--use-torch-fsdp2"], "not with FSDP"),
+    (["--use-torch-fsdp2"], "stquant does not run with --use-torch-fsdp2: .* not with FSDP"),
 ])
 def test_bad_flags_are_one_line_usage_errors(flags, message):
-    from megatron_ext.extension import args_provider
+    from megatron_ext.extension import args_provider, refuse_conflicts
     from megatron_ext.training.arguments import parse_args
 
+    extension = stquant_extension()
     args = parse_args("llama", ["--optimizer", "stquant-adamw", *flags],
-                      args_provider([stquant_extension()]), world_size=1, optimizers=[OPTIMIZER])
+                      args_provider([extension]), world_size=1, optimizers=[OPTIMIZER])
     with pytest.raises(UsageError, match=message):
+        refuse_conflicts([extension], args)
         config_from_args(args)
