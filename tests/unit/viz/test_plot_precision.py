@@ -23,7 +23,7 @@ from megatron_ext.precision.controller import compose
 from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
 from megatron_ext.sites import SITES, site_id
 from megatron_ext.precision.site_formats import SiteFormats
-from megatron_ext.viz.cli import main
+from megatron_ext.defaults import plot_main as main
 from megatron_ext.viz.colors import CLASS_COLORS, family_color, format_family
 from megatron_ext.viz.inputs import default_option, fp4_roles
 
@@ -327,10 +327,18 @@ def test_subcommands_are_assembled_from_the_extensions(tmp_path, capsys):
     assert "invalid choice: 'gnmr'" in capsys.readouterr().err
 
 
-def test_the_tool_offers_exactly_the_plots_the_default_extensions_bring():
-    from megatron_ext.defaults import default_extensions, default_plots
-    from megatron_ext.extension import declared
+def test_the_tool_offers_exactly_the_plots_the_extensions_bring(tmp_path, capsys):
+    """The methods' plots come from their Extensions; a method without plots (the toy of
+    tests/e2e/toy_method) has no subcommand: one line, exit status 2, no traceback."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    from toy_method import toy_extension
 
-    names = [p.name for p in default_plots()]
-    assert names == [p.name for p in declared(default_extensions(), "plots")]
-    assert {"evolution", "divergence", "gnmr", "pgq", "stquant", "gaussws"} == set(names)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("evolution", "divergence", "gnmr", "pgq", "stquant",
+                                        "gaussws"))
+    assert main(["toy", str(tmp_path), "--out", str(tmp_path / "t.png")], toy_extension) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'toy'" in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
