@@ -193,3 +193,20 @@ def test_gaussws_dry_run_reports_the_local_layers_the_job_gets(capsys):
     with pytest.raises(UsageError, match="per-layer precision needs --transformer-impl local"):
         dry(["--gaussws", "od", "--mock-data", "--transformer-impl", "transformer_engine"],
             extensions=default_extensions())
+
+
+def test_te_layers_with_a_te_attention_backend_are_reported_not_refused(capsys):
+    """The stages are built on local stand-ins, but the report says what the GPU job runs:
+    TE layers and TE's flash attention (the real run's decisions, issue 40)."""
+    from megatron_ext.precision.dry_run import GPU_CAPABILITY
+    from megatron_ext.precision.real_gemm import executes_real
+
+    for impl in ("transformer_engine", "auto"):
+        report = dry(["--transformer-impl", impl, "--attention-backend", "flash"],
+                     extensions=default_extensions())
+        assert "layers transformer_engine" in capsys.readouterr().out
+        assert report.total_params == dry([]).total_params  # the same parameters
+        capsys.readouterr()
+    assert executes_real("auto", GPU_CAPABILITY) and executes_real("real", None)
+    assert not executes_real("auto", None) and not executes_real("auto", (8, 0))
+    assert not executes_real("emulated", GPU_CAPABILITY)
