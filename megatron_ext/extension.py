@@ -149,8 +149,8 @@ class Extension:
     """``describe(args)`` -> the one start-up line saying the feature is on and with what
     settings (``"snip: on | ..."``), or None when the run does not use it; rank 0 prints it
     after the model line. Called after ``validate``."""
-    linear_classes: Callable[[argparse.Namespace], Callable[[int, str], type] | None] | None \
-        = None
+    linear_classes: (Callable[[argparse.Namespace], Callable[[int, str], type] | None]
+                     | None) = None
     """Returns ``(global layer, site) -> linear class`` for the layer specs, or None (at most one
     extension of a run returns classes: the precision platform's quantized linear; methods
     change what happens inside it through operand transforms, not through classes)."""

@@ -78,8 +78,8 @@ class Overlay:
     """Site id -> the formats it sets or raises to."""
     rule: str = "set"
     """``set`` or ``raise`` (module docstring)."""
-    derive: Callable[[Mapping[str, SiteFormats]], dict[str, SiteFormats]] | None = \
-        field(default=None, compare=False)
+    derive: Callable[[Mapping[str, SiteFormats]], dict[str, SiteFormats]] | None = (
+        field(default=None, compare=False))
     """``derive(base sites) -> sites``: the overlay's sites follow the base in force (None:
     ``sites`` as given); not checkpointed (the owner lays it again after a resume)."""
 

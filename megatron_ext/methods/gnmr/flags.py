@@ -12,8 +12,8 @@ import argparse
 import dataclasses
 
 from megatron_ext.errors import UsageError, finite_float
-from megatron_ext.methods.gnmr.decisions import COMPARES, HIGH_CHOICES, GnmrConfig, \
-    parse_max_promoted
+from megatron_ext.methods.gnmr.decisions import (COMPARES, HIGH_CHOICES, GnmrConfig,
+                                                 parse_max_promoted)
 from megatron_ext.methods.gnmr.rules import RULES
 from megatron_ext.methods.gnmr.units import GRANULARITIES
 

@@ -39,8 +39,8 @@ from megatron_ext.sites import SITES, ROLES, site_id
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import dry_run, memory, planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences
-from megatron_ext.methods.snip.flags import ENABLED_BY, POLICIES, SnipConfig, active, \
-    add_arguments, config_from_args
+from megatron_ext.methods.snip.flags import (ENABLED_BY, POLICIES, SnipConfig, active,
+                                             add_arguments, config_from_args)
 from megatron_ext.methods.snip.candidates import option_name
 from megatron_ext.methods.snip.plots import PLOTS
 from megatron_ext.io import write_json_atomic
@@ -285,7 +285,7 @@ def _divergence_json(step, names, stats, q, table, policy) -> dict:
 
 
 def snip_extension(controller: PlanController) -> Extension:
-    """The SNIP Extension of one run: its seven policies, refreshes replacing
+    """The SNIP Extension of one run: its six policies, refreshes replacing
     ``controller``'s base plan."""
     snip = SnipRun(controller)
     policies = tuple(Policy(name, snip.make_plan, owner="snip",

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megatron_ext.extension import Extension
 from megatron_ext.methods.stquant import cpu_step, dry_run
-from megatron_ext.methods.stquant.flags import ENABLED_BY, OPTIMIZER, active, add_arguments, \
-    config_from_args
+from megatron_ext.methods.stquant.flags import (ENABLED_BY, OPTIMIZER, active, add_arguments,
+                                                config_from_args)
 from megatron_ext.methods.stquant.optimizer import STQuantConfig, STQuantOptimizer
 from megatron_ext.methods.stquant.quantizer import BITS
 from megatron_ext.methods.stquant.plots import PLOTS

@@ -120,9 +120,9 @@ def test_stage_bars_are_the_cost_models_fractions(inputs, tmp_path, capsys):
     report = flop_report(plan.formats, shape)
     printed = capsys.readouterr().out.splitlines()
     for stage, fractions in enumerate(report.stage_fractions):
-        assert printed[stage] == f"stage {stage}: FP4 {100 * fractions['fp4']:.1f}%, " \
-                                 f"FP8 {100 * fractions['fp8']:.1f}%, " \
-                                 f"BF16 {100 * fractions['bf16']:.1f}%"
+        assert printed[stage] == (f"stage {stage}: FP4 {100 * fractions['fp4']:.1f}%, "
+                                  f"FP8 {100 * fractions['fp8']:.1f}%, "
+                                  f"BF16 {100 * fractions['bf16']:.1f}%")
     assert report.stage_fractions[0]["bf16"] == 0.5  # layer 0 of 0-1 kept in BF16
     check_png(out, [CLASS_COLORS["fp4"], CLASS_COLORS["bf16"]])
 
@@ -131,8 +131,8 @@ def test_stage_bars_are_the_cost_models_fractions(inputs, tmp_path, capsys):
 def test_evolution_of_a_run_directory(inputs, tmp_path, color_by):
     out = tmp_path / "evolution.png"
     assert plot("evolution", inputs / "run", "--color-by", color_by, "--out", out) == 0
-    colours = ["#8b1a1a", "#e3e3e3"] if color_by == "fp4-roles" else \
-        [family_color("fp4"), family_color("fp8"), family_color("mxfp4")]
+    colours = (["#8b1a1a", "#e3e3e3"] if color_by == "fp4-roles" else
+               [family_color("fp4"), family_color("fp8"), family_color("mxfp4")])
     check_png(out, colours)
 
 

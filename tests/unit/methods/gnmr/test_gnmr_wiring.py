@@ -57,8 +57,8 @@ def test_flags_make_the_config():
     assert _parse([]) is None
     config = _parse(["--gnmr", "--gnmr-max-promoted", "3", "--gnmr-alpha", "1.5",
                      "--gnmr-compare", "excess", "--gnmr-granularity", "site"])
-    assert (config.max_promoted, config.alpha, config.compare, config.granularity) == \
-        (3, 1.5, "excess", "site")
+    assert ((config.max_promoted, config.alpha, config.compare, config.granularity) ==
+            (3, 1.5, "excess", "site"))
     assert config.lock == 10 and config.beta == 1.5  # the rest: GnmrConfig's defaults
     assert _parse(["--gnmr", "--gnmr-max-promoted", "0.5"]).max_promoted == 0.5
     config = _parse(["--gnmr", "--gnmr-rule", "static-topk", "--gnmr-topk", "2"])
@@ -120,8 +120,8 @@ def test_dry_run_bound_by_hand(tmp_path, capsys, extra, budget):
     unit = SAVED * (8.25 - 4.25) / 8  # FP4 tiles (4.25 bits) -> FP8 tiles (8.25 bits)
     held = [2, 1]  # 1F1B: stage k holds min(p - k, m) micro-batches
     part = report.parts["gnmr"]
-    assert [s["gnmr_extra_bytes"] for s in part.stage_json] == \
-        [held[k] * budget * unit for k in (0, 1)]
+    assert ([s["gnmr_extra_bytes"] for s in part.stage_json] ==
+            [held[k] * budget * unit for k in (0, 1)])
     saved = json.loads(out.read_text())
     assert saved["gnmr"] == {"units": 4, "granularity": "block", "max_promoted": budget,
                              "allreduce_bytes": 32}

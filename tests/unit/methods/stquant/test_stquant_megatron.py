@@ -142,8 +142,8 @@ def test_checkpoint_holds_codes_and_scales_per_parameter_and_restores_exactly(ru
         after = e.param.sub.optimizer.state[e.param.main]
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = before[e.name][key], after[key]
-            assert torch.equal(dequantize(a), dequantize(b)) if isinstance(a, QState) \
-                else torch.equal(a, b)
+            assert (torch.equal(dequantize(a), dequantize(b)) if isinstance(a, QState)
+                    else torch.equal(a, b))
         assert torch.equal(before[e.name]["step"], after["step"])
 
 
@@ -151,8 +151,8 @@ def test_the_load_request_names_the_saved_slices(run):
     sharded = run.optimizer.sharded_state_dict({})["stquant"]
     request = run.optimizer.sharded_state_dict({}, is_loading=True, metadata={
         "saved_common": {"stquant": sharded}})["stquant"]
-    assert {k: [o.unique_key for o in v.values()] for k, v in request["slices"].items()} == \
-        {k: [o.unique_key] for k, o in sharded["slices"].items()}
+    assert ({k: [o.unique_key for o in v.values()] for k, v in request["slices"].items()} ==
+            {k: [o.unique_key] for k, o in sharded["slices"].items()})
 
 
 @pytest.mark.parametrize("change, message", [
