@@ -80,6 +80,11 @@ class GaussWSConfig:
                    args.gaussws_b_target_loss, args.gaussws_lambda, args.gaussws_block)
 
 
+def active(args: argparse.Namespace) -> bool:
+    """``--gaussws SITES`` (a ``--gaussws-*`` flag without it is refused by the platform)."""
+    return bool(args.gaussws)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--gaussws*`` flags, one argument group."""
     d = GaussWSConfig()
