@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.defaults import plot_main  # noqa: E402
+from megatron_ext.defaults import plot_main as main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(plot_main())
+    sys.exit(main())
