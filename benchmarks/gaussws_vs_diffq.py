@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gaussws_overhead import CHILD, SITES, measure_site, pretrain_child, saved_bytes, \
-    train_step_times  # noqa: E402
+from gaussws_overhead import (CHILD, SITES, measure_site, pretrain_child, saved_bytes,
+                              train_step_times)  # noqa: E402
 
 from megatron_ext.errors import UsageError, run_cli  # noqa: E402
 from megatron_ext.extension import Extension  # noqa: E402

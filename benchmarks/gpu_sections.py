@@ -94,8 +94,8 @@ def formats(args, out) -> dict:
         for name in ("fp8_e4m3", "fp8_e4m3@row", "fp8_e4m3@tile128", "fp8_e4m3@block128"):
             fmt = get_format(name)
             got, ref = to_fp8(x, fmt), to_fp8(x_cpu, fmt)
-            same = torch.equal(got.data.cpu().view(torch.uint8), ref.data.view(torch.uint8)) \
-                and torch.equal(got.scale.cpu(), ref.scale)
+            same = (torch.equal(got.data.cpu().view(torch.uint8), ref.data.view(torch.uint8))
+                    and torch.equal(got.scale.cpu(), ref.scale))
             s = _time(lambda: to_fp8(x, fmt))
             rows.append({"format": f"to_fp8 {name}", "dtype": str(dtype)[6:],
                          "bit_identical": same, "x_clone": round(s / clone_s, 2)})

@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from megatron_ext.extension import Extension, Plot, declared
+from megatron_ext.extension import Extension, declared
 
 METHODS = ("snip", "pgq", "stquant", "gaussws", "gnmr")
 """Every method of the package, in hook order: ``megatron_ext/methods/<name>/`` has
-``extension.py`` with ``<name>_extension(controller)`` and ``plots.py`` with ``PLOTS`` (the
-plots its Extension brings)."""
+``extension.py`` with ``<name>_extension(controller)``, the factory of its Extension (its
+flags, policies, plots, hooks)."""
 
 
 def _module(method: str, module: str):
@@ -41,7 +41,10 @@ def default_extensions(*extra: Callable[..., Extension]) -> list[Extension]:
     return [FaultHandler().extension(), *methods, precision_extension(platform)]
 
 
-def default_plots() -> list[Plot]:
-    """The plots the methods' Extensions bring (``tools/plot_precision.py``'s subcommands),
-    read from their light ``plots.py`` without building a run (no megatron-core import)."""
-    return [plot for m in METHODS for plot in _module(m, "plots").PLOTS]
+def plot_main(argv: list[str] | None = None, *extra: Callable[..., Extension]) -> int:
+    """``tools/plot_precision.py``: the platform's plots and those the extensions of a full
+    run (with ``extra``) bring (``Extension.plots``); a method without plots has no
+    subcommand (``invalid choice``, one line)."""
+    from megatron_ext.viz.cli import main
+
+    return main(argv, plots=declared(default_extensions(*extra), "plots"))

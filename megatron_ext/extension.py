@@ -94,6 +94,30 @@ class Plot:
 
 
 @dataclass(frozen=True)
+class Conflict:
+    """A flag a feature does not run with, declared as data (torchtitan's style) and refused by
+    one rule for every feature (:func:`refuse_conflicts`)."""
+
+    flag: str
+    """The option string (``--use-torch-fsdp2``); refused when its parsed value is truthy."""
+    why: str
+    """Why, the end of the one-line message (``it reads megatron DDP's gradient buffers``)."""
+
+    def given(self, args: argparse.Namespace) -> bool:
+        """Whether the parsed flags turn ``flag`` on."""
+        return bool(getattr(args, self.flag.lstrip("-").replace("-", "_"), False))
+
+
+FSDP_FLAGS = ("--use-torch-fsdp2", "--use-megatron-fsdp")
+"""Training's two FSDP flags (megatron's DDP is the default)."""
+
+
+def no_fsdp(why: str) -> tuple[Conflict, ...]:
+    """The conflicts of a feature that does not run under either FSDP, for ``why``."""
+    return tuple(Conflict(flag, why) for flag in FSDP_FLAGS)
+
+
+@dataclass(frozen=True)
 class Extension:
     """Callbacks one feature contributes to a training run."""
 
@@ -107,6 +131,9 @@ class Extension:
     ``enabled_by`` (:func:`refuse_inactive_flags`)."""
     enabled_by: str = ""
     """What switches it on, for that line (``--gnmr``, ``--precision snip | ...``)."""
+    conflicts: tuple[Conflict, ...] = ()
+    """Flags it does not run with while it is on (its config's ``CONFLICTS``): one given is
+    refused with one line (:func:`refuse_conflicts`), before any ``validate``."""
     policies: tuple = ()
     """The ``--precision`` policies it brings (``megatron_ext.precision.policies.Policy``):
     a run offers those of its extensions only."""
@@ -122,8 +149,8 @@ class Extension:
     """``describe(args)`` -> the one start-up line saying the feature is on and with what
     settings (``"snip: on | ..."``), or None when the run does not use it; rank 0 prints it
     after the model line. Called after ``validate``."""
-    linear_classes: Callable[[argparse.Namespace], Callable[[int, str], type] | None] | None \
-        = None
+    linear_classes: (Callable[[argparse.Namespace], Callable[[int, str], type] | None]
+                     | None) = None
     """Returns ``(global layer, site) -> linear class`` for the layer specs, or None (at most one
     extension of a run returns classes: the precision platform's quantized linear; methods
     change what happens inside it through operand transforms, not through classes)."""
@@ -214,6 +241,17 @@ def refuse_inactive_flags(extensions: list[Extension], args: argparse.Namespace,
             if flag is not None:
                 raise UsageError(f"{flag} is a flag of {e.name}, which is off: it needs "
                                  f"{e.enabled_by or 'its switch'}")
+
+
+def refuse_conflicts(extensions: list[Extension], args: argparse.Namespace) -> None:
+    """``UsageError`` for the first declared :class:`Conflict` of an extension that is on whose
+    flag the parsed flags turn on."""
+    for e in extensions:
+        if e.active is not None and not e.active(args):
+            continue
+        for conflict in e.conflicts:
+            if conflict.given(args):
+                raise UsageError(f"{e.name} does not run with {conflict.flag}: {conflict.why}")
 
 
 def declared(extensions: list[Extension], name: str) -> list:

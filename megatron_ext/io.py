@@ -30,8 +30,8 @@ def read_json(path: str, expect: type | None = dict) -> Any:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"'{path}' is not valid JSON: {exc.msg} at line {exc.lineno}") \
-            from None
+        raise ValueError(f"'{path}' is not valid JSON: {exc.msg} at line "
+                         f"{exc.lineno}") from None
     if expect is not None and not isinstance(data, expect):
         what = "an object" if expect is dict else f"a JSON {expect.__name__}"
         raise ValueError(f"'{path}': expected {what}")

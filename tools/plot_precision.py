@@ -10,7 +10,8 @@
     python tools/plot_precision.py gaussws runs/x --out bits.png
 
 See `python tools/plot_precision.py <command> --help` for every flag, docs/plots.md for the
-inputs. The code is in megatron_ext/viz/ (this file only starts its command line).
+inputs. The code is in megatron_ext/viz/ and each method's plots.py; the subcommands are
+those the extensions bring (megatron_ext.defaults.plot_main).
 """
 
 import os
@@ -18,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.viz.cli import main  # noqa: E402
+from megatron_ext.defaults import plot_main as main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

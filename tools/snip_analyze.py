@@ -112,8 +112,8 @@ def _warm_start(path: str | None) -> dict[str, str] | None:
     try:
         return {sid: option_name(f) for sid, f in load_plan(path).sites.items()}
     except ValueError as err:
-        raise UsageError(f"--warm-start: neither a solution (no 'choice') nor a plan: {err}") \
-            from None
+        raise UsageError(f"--warm-start: neither a solution (no 'choice') nor a plan: "
+                         f"{err}") from None
 
 
 def _check_plan_possible(problem: Problem, args: argparse.Namespace) -> None:

@@ -296,8 +296,8 @@ def _run(argv: list[str]) -> None:
     files = {label: f"plan_{label}.json" for label, _ in plans}
     stages = {label: tune.stage_table(planning, s, microbatches) for label, s in plans}
     explained = _explained(args, plans, table)
-    explanation = None if explained is None else \
-        tune.explain(planning, dict(plans)[explained])
+    explanation = (None if explained is None else
+                   tune.explain(planning, dict(plans)[explained]))
     report = _report(planning, mode, config, microbatches, plans, files, table, stages,
                      explained, explanation)
     _write(args.out, planning, plans, files, report, args.explain_json, explanation)

@@ -104,13 +104,13 @@ def parse_flags(value, where: str) -> tuple[str, ...]:
 def parse_seeds(value, where: str) -> tuple[int, ...]:
     """Seeds from ``"1,2,3"`` (or ``"1 2 3"``), ``[1, 2, 3]`` or ``1``: non-negative,
     distinct, at least one."""
-    items = re.split(r"[,\s]+", value.strip()) if isinstance(value, str) else \
-        value if isinstance(value, list) else [value]
+    items = (re.split(r"[,\s]+", value.strip()) if isinstance(value, str) else
+             value if isinstance(value, list) else [value])
     try:
         seeds = tuple(int(s) if isinstance(s, str) else s for s in items)
     except ValueError:
-        raise UsageError(f"{where}: {value!r} is not a comma-separated list of integers") \
-            from None
+        raise UsageError(f"{where}: {value!r} is not a comma-separated list of "
+                         "integers") from None
     if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                             for s in seeds):
         raise UsageError(f"{where}: {value!r} is not a list of non-negative integers")

@@ -82,8 +82,8 @@ def _group_lines(results: dict) -> list[str]:
     for group in results["groups"]:
         order = ", ".join(f"{i}. `{n}`" for i, n in
                           ((results["runs"][n]["rank"], n) for n in group["ranking"]))
-        label = f"`{flag} {group['group']}`" if group["group"] is not None else \
-            f"without `{flag}`" if flag else "all runs"
+        label = (f"`{flag} {group['group']}`" if group["group"] is not None else
+                 f"without `{flag}`" if flag else "all runs")
         margin = group["margin"]
         lead = "" if margin is None else (
             f"; runner-up − best = {_pm(margin['mean'], margin['se'], True)} "

@@ -153,8 +153,8 @@ class HFShardWriter:
         if self.pending:
             self._flush()
         count = len(self.shards)
-        names = [SINGLE_FILE] if count == 1 else \
-            [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+        names = ([SINGLE_FILE] if count == 1 else
+                 [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)])
         for k, name in enumerate(names):
             os.rename(self._part(k), os.path.join(self.out_dir, name))
         if count > 1:

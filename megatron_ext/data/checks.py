@@ -51,8 +51,8 @@ def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
     if all(n is None for n in numbers):
         return list(items), None
     shown = " ".join(items)
-    if len(items) % 2 or any(n is None for n in numbers[::2]) \
-            or any(n is not None for n in numbers[1::2]):
+    if (len(items) % 2 or any(n is None for n in numbers[::2])
+            or any(n is not None for n in numbers[1::2])):
         raise ValueError(f"--data-path {shown}: weights and prefixes are not paired (give "
                          "prefixes only, or WEIGHT PREFIX pairs: 0.7 a 0.3 b)")
     weights = numbers[::2]
@@ -110,8 +110,8 @@ def check_indexed_dataset(prefix: str) -> None:
         end = int(pointers[1] + lengths[1] * itemsize)
         if pointers[0] != 0 or lengths.min() < 0 or end < 0:
             raise ValueError(f"dataset index '{idx}' is corrupt (sequence pointers)")
-    docs = _array_end(idx, _HEADER.size + 12 * sequences, numpy.int64, documents) \
-        if documents else numpy.array([-1, -1])
+    docs = (_array_end(idx, _HEADER.size + 12 * sequences, numpy.int64, documents)
+            if documents else numpy.array([-1, -1]))
     if docs[0] != 0 or docs[1] != sequences:
         raise ValueError(f"dataset index '{idx}' is corrupt (document indices)")
     if bin_size != end:

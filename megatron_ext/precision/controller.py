@@ -11,8 +11,10 @@ extension and has a rule:
   ``"none"``, no quantization, is highest), so an overlay never lowers a site the base
   already holds high: promotions compose with any base.
 
-The effective plan is ``overlay_n(...overlay_1(base))`` in the order overlays were first set.
-An overlay whose sites depend on the base (GNMR's: "these units, lifted one class up") is laid
+The effective plan does not depend on the order overlays were set in: every ``set`` overlay
+replaces the base's formats of its sites (two setting one site: each operand the higher
+precision of the two), then every ``raise`` overlay lifts the result; overlays of one kind are
+taken in (owner, name) order, which also orders their names in the plan's ``method``. An overlay whose sites depend on the base (GNMR's: "these units, lifted one class up") is laid
 as a **derived** overlay, ``derive(base sites) -> sites``, evaluated against the base in force
 whenever the effective plan is composed: whoever sets the base, in whichever hook and in
 whichever extension order, the derived overlay follows it at the same commit.
@@ -76,8 +78,8 @@ class Overlay:
     """Site id -> the formats it sets or raises to."""
     rule: str = "set"
     """``set`` or ``raise`` (module docstring)."""
-    derive: Callable[[Mapping[str, SiteFormats]], dict[str, SiteFormats]] | None = \
-        field(default=None, compare=False)
+    derive: Callable[[Mapping[str, SiteFormats]], dict[str, SiteFormats]] | None = (
+        field(default=None, compare=False))
     """``derive(base sites) -> sites``: the overlay's sites follow the base in force (None:
     ``sites`` as given); not checkpointed (the owner lays it again after a resume)."""
 
@@ -91,13 +93,6 @@ class Overlay:
             return self
         return replace(self, sites=dict(self.derive(base)), derive=None)
 
-    def over(self, sites: dict[str, SiteFormats]) -> dict[str, SiteFormats]:
-        out = dict(sites)
-        for sid, formats in self.sites.items():
-            below = out.get(sid, SiteFormats())
-            out[sid] = formats if self.rule == "set" else raise_formats(below, formats)
-        return out
-
     def to_dict(self) -> dict:
         return {"owner": self.owner, "name": self.name, "rule": self.rule,
                 "sites": {sid: f.to_dict() for sid, f in self.sites.items()}}
@@ -109,14 +104,23 @@ class Overlay:
 
 
 def compose(base: PrecisionPlan, overlays: list[Overlay]) -> PrecisionPlan:
-    """The effective plan; its method names the base and every non-empty overlay. Derived
-    overlays are evaluated against ``base``."""
-    sites, method = dict(base.sites), base.method
-    for overlay in (o.resolved(base.sites) for o in overlays):
-        if overlay.sites:
-            sites = overlay.over(sites)
-            method += f"+{overlay.name}"
-    return base.replace(sites=sites, method=method)
+    """The effective plan, the same for ``overlays`` in any order (module docstring): the
+    ``set`` overlays' sites over ``base``, then the ``raise`` overlays lifting them; its method
+    names the base and every non-empty overlay. Derived overlays are evaluated against
+    ``base``."""
+    resolved = [o.resolved(base.sites) for o in overlays]
+    ordered = sorted((o for o in resolved if o.sites),
+                     key=lambda o: (RULES.index(o.rule), o.owner, o.name))
+    pinned: dict[str, SiteFormats] = {}  # the set overlays' sites
+    for overlay in (o for o in ordered if o.rule == "set"):
+        pinned.update({sid: raise_formats(pinned[sid], f) if sid in pinned else f
+                       for sid, f in overlay.sites.items()})
+    sites = {**base.sites, **pinned}
+    for overlay in (o for o in ordered if o.rule == "raise"):
+        sites.update({sid: raise_formats(sites.get(sid, SiteFormats()), f)
+                      for sid, f in overlay.sites.items()})
+    return base.replace(sites=sites, method="".join([base.method,
+                                                     *(f"+{o.name}" for o in ordered)]))
 
 
 class PlanController:
@@ -126,7 +130,7 @@ class PlanController:
         self.base: PrecisionPlan | None = None
         """The plan a policy made (None: the run has no precision plan)."""
         self.overlays: dict[tuple[str, str], Overlay] = {}
-        """(owner, name) -> overlay, in the order they were first set."""
+        """(owner, name) -> overlay (their order does not matter: :func:`compose`)."""
         self.applied: PrecisionPlan | None = None
         """The effective plan the model runs now (set by :meth:`commit`)."""
         self.linears_for: set[str] = set()

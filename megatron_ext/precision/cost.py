@@ -159,8 +159,8 @@ def layer_stages(shape: ModelShape, stage_of: list[int] | None = None) -> list[i
     ``shape.stage_of`` (the even split); ``ValueError`` for a split that does not fit."""
     if stage_of is None:
         return [shape.stage_of(layer) for layer in range(shape.num_layers)]
-    if len(stage_of) != shape.num_layers or \
-            not all(0 <= k < shape.pipeline_stages for k in stage_of):
+    if (len(stage_of) != shape.num_layers or
+            not all(0 <= k < shape.pipeline_stages for k in stage_of)):
         raise ValueError(f"stage_of must give a stage in 0..{shape.pipeline_stages - 1} for "
                          f"each of the {shape.num_layers} layers, got {list(stage_of)}")
     return list(stage_of)

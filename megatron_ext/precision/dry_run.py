@@ -32,11 +32,15 @@ from megatron_ext.precision.controller import PlanController, compose
 from megatron_ext.precision.cost import ModelShape, flop_report, stage_seconds
 from megatron_ext.precision.kept import kept_bytes, site_geometry
 from megatron_ext.precision.plan import PrecisionPlan
+from megatron_ext.precision.real_gemm import executes_real
 from megatron_ext.precision.site_formats import SiteFormats, resolve
 from megatron_ext.sites import SITES, site_id
 
 NO_PLAN = "none: BF16 GEMMs"
 """What the times assume without a precision flag."""
+GPU_CAPABILITY = (9, 0)
+"""CUDA compute capability of the GPU the times assume (H100: ``--dry-run-bf16-tflops``'s
+default), asked of ``--fp8-execution`` as the job's device is (``real_gemm.executes_real``)."""
 
 
 def micro_batch_shape(args, context) -> ModelShape:
@@ -62,7 +66,7 @@ def kept_memory(args, context, formats_of) -> list[float]:
     ``formats_of(site_id) -> SiteFormats`` (module docstring; :mod:`.kept`)."""
     layout, shape = context.layout, ModelShape.from_args(args)
     dtype = torch.bfloat16 if layout.bf16 else torch.float32
-    real = args.fp8_execution != "emulated"  # auto: the GPU the times assume runs FP8
+    real = executes_real(args.fp8_execution, GPU_CAPABILITY)
     cached = layout.micro_batches > 1 and not args.no_cache_quantized_weights
     tokens = layout.seq * layout.micro_batch
     step, micro = [0.0] * len(context.stages), [0.0] * len(context.stages)

@@ -246,12 +246,20 @@ def _summary(plan: PrecisionPlan, report: FlopReport) -> str:
             f"FP4 per stage [{stages}] | est. GEMM time {report.time_vs_bf16:.2f}x BF16")
 
 
+def has_plan_flags(args: argparse.Namespace) -> bool:
+    """``--precision`` or ``--precision-plan``: without a plan, the platform's other flags
+    (``--fp8-execution``, ``--precision-backend``, ``--no-cache-quantized-weights``, ...)
+    would change nothing and are refused (``Extension.active``)."""
+    return bool(args.precision or args.precision_plan)
+
+
 def precision_extension(run: PrecisionRun | None = None) -> Extension:
     """The platform Extension of one run (a fresh :class:`PrecisionRun` by default: only the
     ``uniform`` policy)."""
     run = run or PrecisionRun()
     return Extension(name=OWNER, add_arguments=lambda parser: add_arguments(parser, run.policies),
-                     validate=run.validate,
+                     active=has_plan_flags, enabled_by="--precision POLICY or --precision-plan "
+                     "PLAN.json", validate=run.validate,
                      linear_classes=run.linear_classes, after_setup=run.after_setup,
                      commit_step=run.commit_step, on_step=run.on_step,
                      dry_run_estimate=lambda args, context:

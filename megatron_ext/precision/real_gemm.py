@@ -52,19 +52,28 @@ EXECUTION_CHOICES = ("auto", "real", "emulated")
 _ALIGN = 16  # _scaled_mm: every dimension a multiple of 16
 _BLOCK_ALIGN = 512  # blockwise: R / 128 scales per row, a multiple of 4 (16-byte rows)
 _TRIAL = 512  # the trial GEMM's size: aligned for every scaling
+FP8_TENSOR_CORES = (8, 9)
+"""The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0)."""
+
+
+def executes_real(mode: str, capability: tuple[int, int] | None) -> bool:
+    """Whether ``--fp8-execution mode`` runs FP8 GEMMs for real on a device of this CUDA
+    compute ``capability`` (None: the CPU): ``real`` on any device (CPU included, where torch
+    runs per-tensor and per-row ``_scaled_mm``), ``auto`` on a GPU with FP8 tensor cores,
+    ``emulated`` never. The real run asks it of its device (:func:`wants_real`), ``--dry-run``
+    of the GPU its times assume."""
+    if mode not in EXECUTION_CHOICES:
+        raise ValueError(f"--fp8-execution must be one of {', '.join(EXECUTION_CHOICES)}")
+    if mode == "auto":
+        return capability is not None and capability >= FP8_TENSOR_CORES
+    return mode == "real"
 
 
 @lru_cache(maxsize=None)
 def wants_real(mode: str, device: torch.device) -> bool:
-    """Whether ``--fp8-execution mode`` runs FP8 GEMMs for real on ``device``: ``real`` on
-    any device (CPU included, where torch runs per-tensor and per-row ``_scaled_mm``),
-    ``auto`` on a GPU with FP8 tensor cores (compute capability 8.9 or newer), ``emulated``
-    never."""
-    if mode not in EXECUTION_CHOICES:
-        raise ValueError(f"--fp8-execution must be one of {', '.join(EXECUTION_CHOICES)}")
-    if mode == "auto":
-        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    return mode == "real"
+    """:func:`executes_real` on ``device``."""
+    return executes_real(mode, torch.cuda.get_device_capability(device)
+                         if device.type == "cuda" else None)
 
 
 def _kind(fmt: Format) -> str:
@@ -214,5 +223,6 @@ def describe(mode: str, device: torch.device) -> str:
             f"{', '.join(real) or 'no scaling'}; other FP8 scalings, FP4 / MX / NVFP4 emulated")
 
 
-__all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "axis_free", "describe", "fits_real", "fp8_gemm",
-           "fp8_x_serves_wgrad", "runs_real", "scaled_mm", "supported", "transposed", "wants_real"]
+__all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "axis_free", "describe", "executes_real",
+           "fits_real", "fp8_gemm", "fp8_x_serves_wgrad", "runs_real", "scaled_mm", "supported",
+           "transposed", "wants_real"]

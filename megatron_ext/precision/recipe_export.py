@@ -83,8 +83,8 @@ class TERecipe:
     @property
     def te_recipe(self) -> str:
         """``Float8BlockScaling(E4M3)``, or what the unquantized entry means."""
-        return f"{self.te_class}({self.te_format})" if self.te_class else \
-            "no quantization (BF16 GEMMs)"
+        return (f"{self.te_class}({self.te_format})" if self.te_class else
+                "no quantization (BF16 GEMMs)")
 
     @property
     def gpus(self) -> str:
@@ -185,8 +185,8 @@ def why_not(formats: SiteFormats) -> str:
         if [(f.element, f.scaling) for f in map(get_format, recipe.formats)] == shape:
             sr = [r for r, f in zip(ROLES, recipe.formats) if get_format(f).stochastic]
             near = ", ".join(r for r in ROLES if r not in sr)
-            how = f"{', '.join(sr)} stochastically, {near} to nearest" if sr else \
-                "every operand to nearest"
+            how = (f"{', '.join(sr)} stochastically, {near} to nearest" if sr else
+                   "every operand to nearest")
             return f"rounding: TE's {recipe.te_recipe} rounds {how}"
     bits = sorted({f.bits for f in map(get_format, names.values())})
     if len(bits) > 1:

@@ -28,8 +28,8 @@ def normalize_format(name: str) -> str:
     try:
         return str(get_format(name))
     except ValueError:
-        raise ValueError(f"unknown format {name!r} (see megatron_ext.formats.available())") \
-            from None
+        raise ValueError(f"unknown format {name!r} (see "
+                         "megatron_ext.formats.available())") from None
 
 
 @dataclass(frozen=True)

@@ -256,8 +256,8 @@ def given_flags(parser: argparse.ArgumentParser, argv: Iterable[str] | None,
         if action is not None:
             seen.setdefault(id(action), []).append(token.split("=", 1)[0])
             flags = seen[id(action)]
-            if len(flags) > 1 and not isinstance(action, MULTI_VALUE) and \
-                    once.intersection(action.option_strings):
+            if (len(flags) > 1 and not isinstance(action, MULTI_VALUE) and
+                    once.intersection(action.option_strings)):
                 raise UsageError(f"{' and '.join(dict.fromkeys(flags))} given {len(flags)} "
                                  "times: the flag takes one value, give it once")
     return {flag for flags in seen.values() for flag in flags}

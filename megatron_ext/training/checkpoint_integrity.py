@@ -91,8 +91,8 @@ def _read_manifest(ckpt_dir: str) -> dict[str, str] | None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
             raise ValueError("entries must be file -> hex digest")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise UsageError(f"--load: '{path}' is corrupt ({type(exc).__name__}: {exc})") \
-            from None
+        raise UsageError(f"--load: '{path}' is corrupt "
+                         f"({type(exc).__name__}: {exc})") from None
     return files
 
 
@@ -106,8 +106,8 @@ def _first_bad_file(ckpt_dir: str, expected: dict[str, str]) -> str | None:
         if not os.path.isfile(path):
             return f"--load: checkpoint file '{path}' (listed in {MANIFEST}) is missing"
         if sha256_file(path) != expected[rel]:
-            return f"--load: checkpoint file '{path}' is corrupt (its sha256 differs from " \
-                   f"{MANIFEST})"
+            return (f"--load: checkpoint file '{path}' is corrupt (its sha256 differs from "
+                    f"{MANIFEST})")
     return None
 
 

@@ -66,8 +66,8 @@ def _rng_state() -> ShardedObject:
     state = {"cpu": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), \
-        parallel_state.get_tensor_model_parallel_rank()
+    pp, tp = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank())
     layout = _layout()
     return ShardedObject("rng_state", state, (layout["pp"], layout["tp"]), (pp, tp),
                          replica_id=parallel_state.get_data_parallel_rank())
@@ -187,16 +187,16 @@ class Checkpointer:
             same_layout = common.get("layout") == _layout()
             if not weights_only:
                 allocate_adam_state(self.optimizer)
-            request = {"model": self._model_state()} if weights_only \
-                else self._sharded_state(True, same_layout, common.get("optimizer"))
+            request = ({"model": self._model_state()} if weights_only
+                       else self._sharded_state(True, same_layout, common.get("optimizer")))
             _check_model_shapes(request["model"], path)  # another model: said first
             _check_not_past(common, weights_only, train_iters, path)
             loaded = dist_checkpointing.load(request, path)
         except UsageError:
             raise
         except (Exception, CheckpointException) as exc:  # corrupt or incompatible: one line
-            raise UsageError(f"--load: cannot read checkpoint '{path}': {_first_line(exc)}") \
-                from exc
+            raise UsageError(f"--load: cannot read checkpoint '{path}': "
+                             f"{_first_line(exc)}") from exc
         for i, module in enumerate(self.modules):
             module.load_state_dict(local_shards_as_dtensors(module, loaded["model"][f"chunk{i}"]))
         if weights_only:
@@ -309,8 +309,8 @@ def _no_space(exc: BaseException, path: str) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC \
-                or os.strerror(errno.ENOSPC) in str(e):  # a writer's error, pickled as text
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC
+                or os.strerror(errno.ENOSPC) in str(e)):  # a writer's error, pickled as text
             return True
         todo += [e.__cause__, e.__context__]
         for failure in (getattr(e, "failures", None) or {}).values():

@@ -145,8 +145,8 @@ def initialize(args) -> LaunchInfo:
 
 def device() -> torch.device:
     """This rank's compute device: its CUDA device on a GPU node, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
 
 
 def gather_objects(obj) -> list:

@@ -253,13 +253,13 @@ class FaultHandler:
         if not flag.item():
             return False
         name = signal.Signals(flag.item()).name
-        then = "saving a checkpoint and exiting" if args.save \
-            else "exiting (no checkpoint: --no-save)"
+        then = ("saving a checkpoint and exiting" if args.save
+                else "exiting (no checkpoint: --no-save)")
         if _rank() == 0:
             print(f"received {name}: stopping after step {state.iteration}, {then}", flush=True)
         if flag.item() == signal.SIGINT:
-            self.interrupted = f"stopped after step {state.iteration}" + \
-                (", checkpoint saved" if args.save else "")
+            self.interrupted = (f"stopped after step {state.iteration}" +
+                                (", checkpoint saved" if args.save else ""))
         return True
 
 
@@ -271,8 +271,8 @@ def _state_hash(state) -> int:
     def canonical(obj):
         if torch.is_tensor(obj):
             obj = obj.detach().cpu().contiguous()
-            return f"tensor:{obj.dtype}:{tuple(obj.shape)}:" + \
-                hashlib.sha256(obj.view(torch.uint8).numpy().tobytes()).hexdigest()
+            return (f"tensor:{obj.dtype}:{tuple(obj.shape)}:" +
+                    hashlib.sha256(obj.view(torch.uint8).numpy().tobytes()).hexdigest())
         return repr(obj)
 
     text = json.dumps(state, sort_keys=True, default=canonical)

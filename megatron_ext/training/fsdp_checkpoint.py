@@ -137,8 +137,8 @@ def local_shards_as_dtensors(module: torch.nn.Module, state: dict) -> dict:
     out = dict(state)
     for key, value in state.items():
         target = targets.get(key)
-        if isinstance(target, DTensor) and torch.is_tensor(value) \
-                and not isinstance(value, DTensor):
+        if (isinstance(target, DTensor) and torch.is_tensor(value)
+                and not isinstance(value, DTensor)):
             out[key] = _like(value, target)
     return out
 
@@ -170,6 +170,6 @@ def load_optimizer_state(optimizer, state) -> None:
             if not isinstance(param, DTensor):
                 continue
             for key, value in param_state.items():
-                if torch.is_tensor(value) and not isinstance(value, DTensor) \
-                        and value.shape == param._local_tensor.shape:
+                if (torch.is_tensor(value) and not isinstance(value, DTensor)
+                        and value.shape == param._local_tensor.shape):
                     param_state[key] = _like(value, param)

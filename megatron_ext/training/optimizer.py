@@ -137,8 +137,8 @@ def _torch_adams_in_distributed_optimizers(optimizer):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if isinstance(opt, DistributedOptimizer) \
-                and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        if (isinstance(opt, DistributedOptimizer)
+                and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))):
             yield inner
 
 

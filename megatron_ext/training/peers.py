@@ -130,8 +130,8 @@ def describe(error: str, lost: tuple[list[int], list[int]] | None = None) -> str
 
 
 def _is_peer_loss(exc: BaseException) -> bool:
-    return bool(_PEERS.table) and isinstance(exc, RuntimeError) \
-        and _CONNECTION_LOST.search(str(exc)) is not None
+    return (bool(_PEERS.table) and isinstance(exc, RuntimeError)
+            and _CONNECTION_LOST.search(str(exc)) is not None)
 
 
 def _report_and_exit(error: str) -> None:

@@ -19,8 +19,8 @@ from megatron_ext.training import dry_run
 from megatron_ext import extension as ext
 from megatron_ext.training.arguments import build_parser, given_flags, parse_args
 from megatron_ext.training.distributed import resolve_launch
-from megatron_ext.training.layer_impl import resolve_transformer_impl, \
-    transformer_engine_available
+from megatron_ext.training.layer_impl import (resolve_transformer_impl,
+                                              transformer_engine_available)
 from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
 from megatron_ext.training.peers import peer_loss_reported
@@ -121,6 +121,7 @@ def parse_and_validate(family: str, argv, extensions: list[ext.Extension]):
     simulated = dry_run.request(family, argv, provider, optimizers)
     args = parse_args(family, argv, provider, simulated and simulated.world_size, optimizers)
     ext.refuse_inactive_flags(extensions, args, given)  # --snip-budget without SNIP: one line
+    ext.refuse_conflicts(extensions, args)  # --precision snip --use-megatron-fsdp: one line
     for validate in ext.hooks(extensions, "validate"):
         validate(args)
     return args, simulated

@@ -49,8 +49,8 @@ class SDPAttention(MegatronModule):
                  cp_comm_type: Optional[str] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1 or config.softmax_type != "vanilla" \
-                or config.window_size is not None:
+        if (config.context_parallel_size != 1 or config.softmax_type != "vanilla"
+                or config.window_size is not None):
             raise ValueError("SDPAttention supports no context parallelism, sliding windows or "
                              "softmax offsets (use --attention-backend local)")
         if pg_collection is None:
@@ -61,10 +61,10 @@ class SDPAttention(MegatronModule):
         """Query heads of this TP rank."""
         self.groups = divide(config.num_query_groups, tp)
         """Key/value heads of this TP rank."""
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None \
-            else softmax_scale
-        self.dropout = config.attention_dropout if attention_dropout is None \
-            else attention_dropout
+        self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
+                              else softmax_scale)
+        self.dropout = (config.attention_dropout if attention_dropout is None
+                        else attention_dropout)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor],

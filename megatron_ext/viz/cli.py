@@ -1,4 +1,4 @@
-"""Command line of ``tools/plot_precision.py`` (also ``python -m megatron_ext.viz.cli``)::
+"""Command line of ``tools/plot_precision.py``::
 
     plot_precision.py plan PLAN.json --out plan.png [--num-layers N]
     plot_precision.py stages PLAN.json --pipeline-model-parallel-size P --out stages.png
@@ -15,8 +15,8 @@
 
 ``plan``, ``stages`` and ``loss`` are the platform's; every other subcommand is brought by an
 extension of the run (``Extension.plots``: SNIP's ``evolution`` and ``divergence``, GNMR's,
-PGQ's, STQuant's, GaussWS's, each in ``methods/<name>/plots.py``), assembled here as the
-training flags are. Bad input: one ``error:`` line on stderr, exit status 2, no output file.
+PGQ's, STQuant's, GaussWS's, each in ``methods/<name>/plots.py``), passed in by the composition
+root (:func:`megatron_ext.defaults.plot_main`) as the training flags are. Bad input: one ``error:`` line on stderr, exit status 2, no output file.
 Parsing only: the readers are :mod:`megatron_ext.viz.inputs`, the figures
 :mod:`megatron_ext.viz.plots`.
 """
@@ -24,7 +24,6 @@ Parsing only: the readers are :mod:`megatron_ext.viz.inputs`, the figures
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_ext.errors import OneLineParser, UsageError, run_cli
 from megatron_ext.io import check_output
@@ -179,15 +178,8 @@ def _run(argv: list[str], plots) -> None:
     print(f"wrote {args.out}")
 
 
-def main(argv: list[str] | None = None, plots=None) -> int:
+def main(argv: list[str] | None = None, plots=()) -> int:
     """Make one plot; bad input -> one ``error:`` line on stderr and exit status 2. ``plots``:
-    the extensions' subcommands (default: ``megatron_ext.defaults.default_plots()``)."""
-    if plots is None:
-        from megatron_ext.defaults import default_plots
-
-        plots = default_plots()
+    the run's extensions' subcommands (``tools/plot_precision.py`` passes those of
+    ``megatron_ext.defaults.default_extensions()``: :func:`megatron_ext.defaults.plot_main`)."""
     return run_cli(lambda args: _run(args, plots), argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -152,8 +152,8 @@ def load_divergence(path: str) -> Divergence:
     if not isinstance(data, dict) or data.get("version") != 1:
         raise ValueError(f"'{path}' is not a version-1 divergence file (need \"version\": 1)")
     options, sites = data.get("options"), data.get("sites")
-    if not isinstance(options, list) or not options \
-            or not all(isinstance(o, str) for o in options):
+    if (not isinstance(options, list) or not options
+            or not all(isinstance(o, str) for o in options)):
         raise ValueError(f"'{path}': \"options\" must be a non-empty list of option names")
     if not isinstance(sites, dict) or not sites:
         raise ValueError(f"'{path}': \"sites\" must be a non-empty object: site -> options")
@@ -272,8 +272,8 @@ class GnmrTrace:
 
 def _trace_line(record: dict, path: str, units) -> tuple[int, dict]:
     step, entries = record.get("step"), record.get("units")
-    if isinstance(step, bool) or not isinstance(step, int) or not isinstance(entries, dict) \
-            or not entries or (units is not None and list(entries) != list(units)):
+    if (isinstance(step, bool) or not isinstance(step, int) or not isinstance(entries, dict)
+            or not entries or (units is not None and list(entries) != list(units))):
         raise ValueError(f"'{path}': step {step!r} is not a GNMR trace line of the same units "
                          f"(need \"step\" and \"units\")")
     for unit, entry in entries.items():
@@ -338,8 +338,8 @@ def load_widths(source: str) -> WidthHistory:
     lines = {}
     for record in read_jsonl(path):
         step, widths = record.get("step"), record.get("widths")
-        if isinstance(step, bool) or not isinstance(step, int) or not isinstance(widths, dict) \
-                or not widths or any(b not in (4, 8, 16, 32) for b in widths.values()):
+        if (isinstance(step, bool) or not isinstance(step, int) or not isinstance(widths, dict)
+                or not widths or any(b not in (4, 8, 16, 32) for b in widths.values())):
             raise ValueError(f"'{path}': {str(record)[:60]} is not a width line (need \"step\" "
                              "and \"widths\": {layer: 4|8|16|32})")
         lines[step] = widths

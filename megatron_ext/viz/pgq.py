@@ -30,8 +30,8 @@ def sqnr_grid(profile, candidate: str) -> tuple[list[str], np.ndarray]:
     for g in profile.gemms:
         for role, op in g.operands.items():
             ratio = op.sqnr[candidate]
-            db = math.inf if ratio == math.inf else 10 * math.log10(ratio) if ratio > 0 \
-                else -math.inf
+            db = math.inf if ratio == math.inf else (10 * math.log10(ratio) if ratio > 0
+                                                     else -math.inf)
             grid[rows.index(g.site), OPERANDS.index(f"{g.gemm}.{role}")] = db
     return rows, grid
 

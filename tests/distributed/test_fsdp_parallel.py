@@ -130,5 +130,5 @@ def test_dry_run_memory_rows_are_the_bytes_each_rank_holds(name, tmp_path):
     report = pretrain("llama", [*job, "--data-parallel-size", "2", "--dry-run"], [])
     for rank in measured:
         row = report.stages[rank["stage"]].memory
-        assert (rank["weights"], rank["grads"], rank["optimizer"]) == \
-            (row.weights, row.grads, row.optimizer), name
+        assert ((rank["weights"], rank["grads"], rank["optimizer"]) ==
+                (row.weights, row.grads, row.optimizer)), name

@@ -85,8 +85,8 @@ def test_tp2_profile_equals_the_single_process_one(profiles, layout):
                 if stochastic and fmt.startswith("nvfp4") and g2.site == "logits":
                     continue
                 rel = 0.1 if stochastic else (1e-3 if fmt.startswith("nvfp4") else 1e-4)
-                assert got == pytest.approx(expect, rel=rel), \
-                    (g2.name, role, cand)
+                assert got == pytest.approx(expect, rel=rel), (
+                    g2.name, role, cand)
                 checked[stochastic] += 1
     assert checked[False] > 250 and checked[True] > 100
     # int8's per-row scales over a split reduction axis are per shard: visibly other values

@@ -157,8 +157,8 @@ def test_dp1_restores_the_dp2_state_bit_for_bit(runs, resaved):
     for key, state in saved.items():
         assert state.keys() == resaved[1][key].keys()
         for name, value in state.items():
-            assert value == resaved[1][key][name] if name == "bits" \
-                else torch.equal(value, resaved[1][key][name]), (key, name)
+            assert (value == resaved[1][key][name] if name == "bits"
+                    else torch.equal(value, resaved[1][key][name])), (key, name)
 
 
 # DP=4 cuts blocks (its ranges start at multiples of 32): those are requantized, m within half

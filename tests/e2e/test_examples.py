@@ -119,5 +119,5 @@ def test_70b_dry_run_by_hand_has_the_sbatch_flags(doc, pattern, tmp_path):
     sbatch = _recorded_commands("examples/slurm/llama3_70b_snip.sbatch", tmp_path)[0]
     assert by_hand[:2] == ["python", sbatch[0]] and "--dry-run" in by_hand
     ours, theirs = flag_values(by_hand[2:]), flag_values(sbatch[1:])
-    assert {f: v for f, v in ours.items() if f not in IO_FLAGS} == \
-        {f: v for f, v in theirs.items() if f not in IO_FLAGS}
+    assert ({f: v for f, v in ours.items() if f not in IO_FLAGS} ==
+            {f: v for f, v in theirs.items() if f not in IO_FLAGS})

@@ -125,8 +125,8 @@ def test_resume_between_promotion_and_demotion_is_exact(tmp_path):
     trace = read_trace(full)
     # promoted after step 1, high for steps 2-5 (lines: the plan of the next step), demoted
     # after step 5: the save at 3 falls inside the lock
-    assert [sorted(_high(line)) for line in trace] == \
-        [["L2", "L3"]] * 4 + [[]] * 4 and trace[2]["units"]["L3"]["lock"] == 2
+    assert ([sorted(_high(line)) for line in trace] ==
+            [["L2", "L3"]] * 4 + [[]] * 4 and trace[2]["units"]["L3"]["lock"] == 2)
     assert read_trace(second) == trace[3:]
     resumed, straight = _steps(second), _steps(full)
     assert sorted(resumed) == [4, 5, 6, 7, 8]

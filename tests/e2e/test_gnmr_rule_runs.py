@@ -42,8 +42,8 @@ def _steps(run_dir):
 @pytest.mark.parametrize("rule", list(RULES))
 def test_unit_steps_count_what_ran_high(runs, rule):
     trace, steps = _trace(runs[rule]), _steps(runs[rule])
-    assert [line["step"] for line in trace] == [r["step"] for r in steps] == \
-        list(range(1, STEPS + 1))
+    assert ([line["step"] for line in trace] == [r["step"] for r in steps] ==
+            list(range(1, STEPS + 1)))
     ran = [_high(line).count("H") for line in trace]
     first = 1 if rule == "first-last" else 0  # high before any decision
     expect = np.cumsum([first] + ran[:-1]).tolist()

@@ -51,8 +51,8 @@ def test_overlay_survives_snip_refreshes_and_a_resume(tmp_path):
     assert refreshes and all(_plan(p)["sites"][PROMOTED] != HIGH.to_dict() for p in refreshes)
     final = _plan(first / "precision_plan.json")
     assert final["sites"][PROMOTED] == HIGH.to_dict() and final["method"] == "snip+promote"
-    assert final["sites"] != {**_plan(refreshes[0])["sites"], PROMOTED: HIGH.to_dict()} or \
-        len(refreshes) == 1  # the base really is SNIP's latest plan
+    assert (final["sites"] != {**_plan(refreshes[0])["sites"], PROMOTED: HIGH.to_dict()} or
+            len(refreshes) == 1)  # the base really is SNIP's latest plan
     _run(second, *SNIP, "--load", str(ckpt), "--no-save")  # no --toy-promote-at this time
     resumed = _plan(second / "precision_plan.json")
     assert resumed["sites"][PROMOTED] == HIGH.to_dict()  # the overlay came from the checkpoint

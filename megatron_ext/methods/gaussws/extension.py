@@ -39,7 +39,7 @@ from megatron_ext.sites import site_id
 from megatron_ext.training.distributed import device
 
 from .attach import SampledSites
-from .flags import GaussWSConfig, add_arguments
+from .flags import GaussWSConfig, active, add_arguments
 from .noise import NoiseSeeds
 from .plots import PLOTS
 from .weight import bitwidth_loss_grads
@@ -70,9 +70,6 @@ class GaussWSRun:
         if not self.config.enabled:
             self.config = None
             return
-        if args.use_torch_fsdp2 or args.use_megatron_fsdp:
-            raise UsageError("--gaussws does not support FSDP yet (--use-torch-fsdp2, "
-                             "--use-megatron-fsdp); use DDP or --use-distributed-optimizer")
         self.plans.require_linears(OWNER)
         self.site_ids = [site_id(layer, s) for layer in range(args.num_layers)
                          for s in self.config.sites]
@@ -177,8 +174,8 @@ def gaussws_extension(plans: PlanController) -> Extension:
     run = GaussWSRun(plans)
     return Extension(name=OWNER, add_arguments=add_arguments, validate=run.validate,
                      describe=lambda args: describe(run.config) if run.config else None,
-                     active=lambda args: bool(args.gaussws), enabled_by="--gaussws SITES",
-                     plots=PLOTS,
+                     active=active, enabled_by="--gaussws SITES",
+                     plots=PLOTS, conflicts=GaussWSConfig.CONFLICTS,
                      after_model=run.after_model, wrap_optimizer=run.wrap_optimizer,
                      after_setup=run.after_setup, before_step=run.before_step,
                      on_step=run.on_step)

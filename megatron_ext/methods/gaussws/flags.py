@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron_ext.errors import UsageError, finite_float
+from megatron_ext.extension import Conflict, no_fsdp
 from megatron_ext.sites import SITES
 
 SITE_GROUPS = {"od": ("proj", "fc2"), "all": SITES}
@@ -38,6 +40,9 @@ def parse_sites(spec: str) -> tuple[str, ...]:
 class GaussWSConfig:
     """Gaussian weight sampling for one run (paper §3.2-3.7)."""
 
+    CONFLICTS: ClassVar[tuple[Conflict, ...]] = no_fsdp(
+        "use DDP or --use-distributed-optimizer")
+    """The flags ``--gaussws`` does not run with."""
     sites: tuple[str, ...] = ()
     """Sites whose weights are sampled (``--gaussws``); empty: GaussWS off."""
     b_init: float = 6.0
@@ -73,6 +78,11 @@ class GaussWSConfig:
         sites = parse_sites(args.gaussws) if args.gaussws else ()
         return cls(sites, args.gaussws_b_init, args.gaussws_b_target_decay,
                    args.gaussws_b_target_loss, args.gaussws_lambda, args.gaussws_block)
+
+
+def active(args: argparse.Namespace) -> bool:
+    """``--gaussws SITES`` (a ``--gaussws-*`` flag without it is refused by the platform)."""
+    return bool(args.gaussws)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -57,10 +57,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
+from megatron_ext.extension import Conflict, no_fsdp
 from megatron_ext.methods.gnmr.algorithm import GnmrState, Metrics
 from megatron_ext.methods.gnmr.rules import RULES, OperandStats, make_rule
 from megatron_ext.methods.gnmr.units import GRANULARITIES
@@ -76,6 +77,9 @@ HIGH_CHOICES = ("auto", "fp8", "bf16")
 class GnmrConfig:
     """GNMR's settings; each field is the flag named in its docstring."""
 
+    CONFLICTS: ClassVar[tuple[Conflict, ...]] = no_fsdp("it reads megatron DDP's gradient "
+                                                        "buffers")
+    """The flags ``--gnmr`` does not run with."""
     granularity: str = "block"
     """``--gnmr-granularity``: a unit is a transformer block (``block``) or one site."""
     high: str = "auto"

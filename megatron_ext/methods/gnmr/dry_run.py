@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from megatron_ext.extension import DryRunPart
 from megatron_ext.methods.gnmr.decisions import GnmrConfig
-from megatron_ext.methods.gnmr.memory import ActivationLayout, peak_extra_bytes, site_bits, \
-    unit_extra_bytes
+from megatron_ext.methods.gnmr.memory import (ActivationLayout, peak_extra_bytes, site_bits,
+                                              unit_extra_bytes)
 from megatron_ext.methods.gnmr.units import unit_ids, unit_layer, unit_sites
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.dry_run import assumed_plan, micro_batch_shape

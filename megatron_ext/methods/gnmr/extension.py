@@ -224,6 +224,7 @@ def gnmr_extension(plans: PlanController) -> Extension:
     return Extension(name=OWNER, add_arguments=flags.add_arguments, validate=run.validate,
                      describe=lambda args: describe(run.config) if run.config else None,
                      active=flags.active, enabled_by="--gnmr", plots=PLOTS,
+                     conflicts=GnmrConfig.CONFLICTS,
                      wrap_optimizer=run.wrap_optimizer, after_setup=run.after_setup,
                      before_step=run.before_step, on_step=run.on_step,
                      on_nonfinite=run.on_nonfinite, on_train_end=run.on_train_end,

@@ -12,8 +12,8 @@ import argparse
 import dataclasses
 
 from megatron_ext.errors import UsageError, finite_float
-from megatron_ext.methods.gnmr.decisions import COMPARES, HIGH_CHOICES, GnmrConfig, \
-    parse_max_promoted
+from megatron_ext.methods.gnmr.decisions import (COMPARES, HIGH_CHOICES, GnmrConfig,
+                                                 parse_max_promoted)
 from megatron_ext.methods.gnmr.rules import RULES
 from megatron_ext.methods.gnmr.units import GRANULARITIES
 
@@ -94,9 +94,6 @@ def config_from_args(args: argparse.Namespace) -> GnmrConfig | None:
         return None
     given = {f.name: getattr(args, "gnmr_" + f.name) for f in dataclasses.fields(GnmrConfig)
              if hasattr(args, "gnmr_" + f.name)}
-    if args.use_torch_fsdp2 or args.use_megatron_fsdp:
-        raise UsageError("--gnmr reads megatron DDP's gradient buffers: it does not run with "
-                         "--use-torch-fsdp2 / --use-megatron-fsdp")
     rule = given.get("rule", DEFAULTS.rule)
     for field, rules in (("topk", ("first-last", "static-topk", "static-topk-warm-high")),
                          ("autoswitch_underflow_pct", ("autoswitch",)),

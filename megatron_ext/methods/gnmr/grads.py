@@ -113,8 +113,8 @@ class NormReader:
         if self.parts is None:
             self.parts = owned_parts(model)
         sums = [_square_sum(part) for _, part in self.parts]
-        return [sid for sid, _ in self.parts], \
-            torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device())
+        return ([sid for sid, _ in self.parts],
+                torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device()))
 
     def reduce(self, measured: tuple[list[str], torch.Tensor]) -> np.ndarray:
         """Every unit's norm, identical on every rank: one float64 all-reduce (sum) of the

@@ -36,13 +36,12 @@ import time
 
 import torch.distributed as dist
 
-from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.pgq.logits import quantize_logits
 from megatron_ext.methods.pgq.observe import collect_profile
-from megatron_ext.methods.pgq.flags import (add_profile_arguments, add_recipe_arguments,
-                                              candidates, recipe_config)
+from megatron_ext.methods.pgq.flags import (POLICY, PgqConfig, active, add_profile_arguments,
+                                            add_recipe_arguments, config_from_args)
 from megatron_ext.methods.pgq.plots import PLOTS
 from megatron_ext.methods.pgq.profile import load_profile
 from megatron_ext.methods.pgq.recipe import make_recipe
@@ -53,7 +52,6 @@ from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import Policy
 from megatron_ext.precision.site_formats import SiteFormats
 
-POLICY = "pgq"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "swiglu")
 """What a saved profile must share with the run it makes a recipe for."""
@@ -65,33 +63,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(g)
 
 
-def saved_recipe(args):
-    """The recipe of ``--pgq-profile`` for this run's flags; ``ValueError`` if the profile
-    is of another model or lacks the format."""
-    profile = load_profile(args.pgq_profile)
-    run = ModelShape.from_args(args)
-    other = [f for f in SHAPE_FIELDS if profile.model.get(f) != getattr(run, f)]
+def saved_recipe(config: PgqConfig, shape: ModelShape):
+    """The recipe of ``--pgq-profile`` for this run's settings and model ``shape``;
+    ``ValueError`` if the profile is of another model or lacks the format."""
+    profile = load_profile(config.profile)
+    other = [f for f in SHAPE_FIELDS if profile.model.get(f) != getattr(shape, f)]
     if other:
-        raise ValueError(f"'{args.pgq_profile}' profiles another model ({', '.join(other)} "
+        raise ValueError(f"'{config.profile}' profiles another model ({', '.join(other)} "
                          "differ)")
-    return make_recipe(profile, recipe_config(args))
+    return make_recipe(profile, config.recipe)
 
 
-def pgq_plan(args: argparse.Namespace, arg: str | None) -> PrecisionPlan:
+def pgq_plan(config: PgqConfig, shape: ModelShape) -> PrecisionPlan:
     """The policy's base plan: the saved profile's recipe, else the safe plan."""
-    if args.pgq_profile:
-        return saved_recipe(args).plan
+    if config.profile:
+        return saved_recipe(config, shape).plan
     return PrecisionPlan({}, method=f"{POLICY}:safe")
-
-
-PGQ_POLICY = Policy(POLICY, pgq_plan, owner=POLICY,
-                    help="PGQ: per-GEMM recipe from a start-up SQNR profile")
-"""The ``--precision pgq`` policy PGQ brings."""
-
-
-def active(args: argparse.Namespace) -> bool:
-    """``--precision pgq``."""
-    return args.precision == POLICY
 
 
 class PgqRun:
@@ -100,8 +87,11 @@ class PgqRun:
     def __init__(self, controller: PlanController):
         self.controller = controller
         """The platform's plan controller: the recipe replaces its base plan."""
-        self.active = False
-        self.candidates: dict = {}
+        self.config: PgqConfig | None = None
+        """The settings (None: PGQ is off), built once from the flags."""
+        self.args = None
+        """The flags the config was built from (the run's model shape and run directory;
+        PGQ's own come from ``config``)."""
         self.profiled_at: int | None = None
         """The step the profile was taken before (None: not yet)."""
         self.logits: dict | None = None
@@ -110,40 +100,42 @@ class PgqRun:
         self._batch_s: list[float] = []
         self._logits_installed = False
 
+    def configure(self, args) -> PgqConfig | None:
+        """Build the config from the flags once (``validate``, or the policy's ``make`` if
+        the platform asks first)."""
+        if self.args is not args:
+            self.config, self.args = config_from_args(args), args
+        return self.config
+
     def validate(self, args) -> None:
-        self.active = active(args)
-        if not self.active:
-            return
-        if args.pgq_profile_steps < 1:
-            raise UsageError(f"--pgq-profile-steps must be >= 1, got {args.pgq_profile_steps}")
-        if not 0 <= args.pgq_profile_start < args.train_iters:
-            raise UsageError(f"--pgq-profile-start must be in [0, --train-iters), got "
-                             f"{args.pgq_profile_start}")
-        recipe_config(args)
-        if args.pgq_profile is None:
-            self.candidates = candidates(args)
+        self.configure(args)
+
+    def make_plan(self, args, arg=None) -> PrecisionPlan:
+        """The policy's ``make``: :func:`pgq_plan` under this run's config."""
+        return pgq_plan(self.configure(args), ModelShape.from_args(args))
 
     def after_setup(self, args, run, state) -> None:
         run.checkpointer.register(POLICY, self)
-        if args.pgq_profile:
-            recipe = saved_recipe(args)
+        if self.config.profile:
+            recipe = saved_recipe(self.config, ModelShape.from_args(args))
             self.logits = None if recipe.logits is None else recipe.logits.to_dict()
             if dist.get_rank() == 0:
                 write_recipe(recipe, os.path.join(args.run_dir, POLICY))
-                print(f"pgq: {summary(recipe)} (from '{args.pgq_profile}')", flush=True)
+                print(f"pgq: {summary(recipe)} (from '{self.config.profile}')", flush=True)
 
     def before_step(self, args, run, state) -> None:
-        if args.pgq_profile or self.profiled_at is not None:
+        config = self.config
+        if config.profile or self.profiled_at is not None:
             if self.logits is not None and not self._logits_installed:
                 quantize_logits(run.model, SiteFormats.from_dict(self.logits))
                 self._logits_installed = True
             return
-        if state.iteration < args.pgq_profile_start:
+        if state.iteration < config.profile_start:
             return
         start, self._batch_s = time.perf_counter(), []
-        profile = collect_profile(args, run, state, args.pgq_profile_steps, self.candidates,
+        profile = collect_profile(args, run, state, config.profile_steps, config.candidates,
                                   self._batch_s)
-        recipe = make_recipe(profile, recipe_config(args))
+        recipe = make_recipe(profile, config.recipe)
         payload = [None]
         if dist.get_rank() == 0:
             out = os.path.join(args.run_dir, POLICY)
@@ -178,14 +170,14 @@ class PgqRun:
         self._logits_installed = False
 
 
-def describe(args) -> str:
+def describe(pgq: PgqConfig) -> str:
     """The start-up line of ``--precision pgq``: the recipe settings and the profile."""
-    config = recipe_config(args)
+    config = pgq.recipe
     budget = f", budget {config.budget:g} of the linear FLOPs" if config.budget else ""
     mode = "" if config.mode == "recipe" else f" | validation recipe: {config.mode}"
-    source = (f"profile from '{args.pgq_profile}'" if args.pgq_profile else
-              f"profiles {args.pgq_profile_steps} batch(es) before step "
-              f"{args.pgq_profile_start + 1} in {','.join(candidates(args))}")
+    source = (f"profile from '{pgq.profile}'" if pgq.profile else
+              f"profiles {pgq.profile_steps} batch(es) before step "
+              f"{pgq.profile_start + 1} in {','.join(pgq.candidates)}")
     return (f"pgq: on | format {config.format} where SQNR >= {config.fwd_threshold:g} (fprop) /"
             f" {config.bwd_threshold:g} (dgrad, wgrad), roofline {config.device}{budget}{mode}"
             f" | {source}")
@@ -194,13 +186,15 @@ def describe(args) -> str:
 def pgq_extension(controller: PlanController) -> Extension:
     """The PGQ Extension of one run; its recipe replaces ``controller``'s base plan."""
     pgq = PgqRun(controller)
+    policy = Policy(POLICY, pgq.make_plan, owner=POLICY,
+                    help="PGQ: per-GEMM recipe from a start-up SQNR profile")
 
     def when_on(hook):
-        return lambda args, *rest: hook(args, *rest) if pgq.active else None
+        return lambda args, *rest: hook(args, *rest) if pgq.config is not None else None
 
     return Extension(name=POLICY, add_arguments=add_arguments, validate=pgq.validate,
-                     describe=when_on(describe),
-                     active=active, enabled_by=f"--precision {POLICY}", policies=(PGQ_POLICY,),
-                     plots=PLOTS,
+                     describe=when_on(lambda args: describe(pgq.config)),
+                     active=active, enabled_by=f"--precision {POLICY}", policies=(policy,),
+                     plots=PLOTS, conflicts=PgqConfig.CONFLICTS,
                      after_setup=when_on(pgq.after_setup),
                      before_step=when_on(pgq.before_step), on_step=when_on(pgq.on_step))

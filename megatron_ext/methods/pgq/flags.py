@@ -1,19 +1,25 @@
 """PGQ's flags, defined once: the recipe flags are shared by training (``--precision pgq``) and
-``tools/pgq_recipe.py``; the profile flags are training's. Checks raise ``UsageError`` with
-one line."""
+``tools/pgq_recipe.py``; the profile flags are training's. A run's flags become one frozen
+:class:`PgqConfig` in ``validate``; its hooks read the config, never the flags again. Checks
+raise ``UsageError`` with one line."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from megatron_ext.errors import UsageError, finite_float
+from megatron_ext.extension import Conflict
 from megatron_ext.methods.pgq.recipe import FORWARD, MODES, NO_ROOFLINE, RecipeConfig
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 from megatron_ext.precision.cost import DEVICES
 from megatron_ext.precision.site_formats import SiteFormats
 
 DEFAULT = RecipeConfig()
+POLICY = "pgq"
+"""The ``--precision`` policy that switches PGQ on."""
 
 
 def add_recipe_arguments(group) -> None:
@@ -88,8 +94,8 @@ def recipe_config(args: argparse.Namespace) -> RecipeConfig:
 
 def candidates(args: argparse.Namespace) -> dict[str, SiteFormats]:
     """``--pgq-candidates`` checked, with ``--pgq-format`` among them (default: it alone)."""
-    spec = args.pgq_format if args.pgq_candidates is None else \
-        ",".join(CANDIDATES) if args.pgq_candidates.strip() == "all" else args.pgq_candidates
+    spec = (args.pgq_format if args.pgq_candidates is None else
+            ",".join(CANDIDATES) if args.pgq_candidates.strip() == "all" else args.pgq_candidates)
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown or not names:
@@ -99,3 +105,42 @@ def candidates(args: argparse.Namespace) -> dict[str, SiteFormats]:
         raise UsageError(f"--pgq-format {args.pgq_format!r} is not among --pgq-candidates "
                          f"({', '.join(names)})")
     return {n: CANDIDATES[n] for n in dict.fromkeys(names)}
+
+
+def active(args: argparse.Namespace) -> bool:
+    """``--precision pgq``."""
+    return args.precision == POLICY
+
+
+@dataclass(frozen=True)
+class PgqConfig:
+    """One run's PGQ settings; each field is the flag named in its docstring."""
+
+    CONFLICTS: ClassVar[tuple[Conflict, ...]] = ()
+    """The flags ``--precision pgq`` does not run with (none)."""
+    recipe: RecipeConfig
+    """The recipe flags, ``--pgq-format`` ... ``--pgq-logits`` (:func:`recipe_config`)."""
+    profile_steps: int = 2
+    """``--pgq-profile-steps``: batches the profile observes."""
+    profile_start: int = 0
+    """``--pgq-profile-start``: steps trained under the safe plan before the profile."""
+    candidates: dict[str, SiteFormats] = field(default_factory=dict)
+    """``--pgq-candidates`` (:func:`candidates`): formats the profile measures; empty with
+    ``--pgq-profile``."""
+    profile: str | None = None
+    """``--pgq-profile``: the saved profile the recipe is made from (None: profile in the
+    run)."""
+
+
+def config_from_args(args: argparse.Namespace) -> PgqConfig | None:
+    """The run's settings, None without ``--precision pgq``; ``UsageError`` (one line) for a
+    bad flag."""
+    if not active(args):
+        return None
+    if args.pgq_profile_steps < 1:
+        raise UsageError(f"--pgq-profile-steps must be >= 1, got {args.pgq_profile_steps}")
+    if not 0 <= args.pgq_profile_start < args.train_iters:
+        raise UsageError(f"--pgq-profile-start must be in [0, --train-iters), got "
+                         f"{args.pgq_profile_start}")
+    return PgqConfig(recipe_config(args), args.pgq_profile_steps, args.pgq_profile_start,
+                     {} if args.pgq_profile else candidates(args), args.pgq_profile)

@@ -139,8 +139,8 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
         """Inverse of :meth:`to_dict`; ``ValueError`` for anything else."""
-        if not isinstance(data, dict) or data.get("kind") != "pgq-profile" \
-                or data.get("version") != VERSION:
+        if (not isinstance(data, dict) or data.get("kind") != "pgq-profile"
+                or data.get("version") != VERSION):
             raise ValueError(f"not a version-{VERSION} PGQ profile (need \"kind\": "
                              f"\"pgq-profile\", \"version\": {VERSION})")
         try:

@@ -293,7 +293,7 @@ def make_recipe(profile: Profile, cfg: RecipeConfig) -> Recipe:
         flops = gemm_flops(profile, cfg)
         head = {n: f for n, f in flops.items() if n.startswith(f"{LOGITS}.")}
         linear = sum(flops.values()) - sum(head.values())
-        fraction = (fraction * linear + sum(f for n, f in head.items() if n in quantized)) \
-            / (linear + sum(head.values()))
+        fraction = ((fraction * linear + sum(f for n, f in head.items() if n in quantized))
+                    / (linear + sum(head.values())))
     return Recipe(cfg, device, scale, tuple(decisions), plan, fraction, target,
                   report.time_vs_bf16, site_formats(quantized, candidate, LOGITS))

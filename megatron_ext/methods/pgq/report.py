@@ -37,8 +37,8 @@ def summary(recipe: Recipe) -> str:
     rows = [d for d in recipe.decisions if d.linear]
     roof = "no roofline" if recipe.device is None else f"ridge {recipe.device.ridge:.0f} FLOP/B"
     budget = recipe.config.budget
-    short = budget is not None and recipe.config.mode == "recipe" \
-        and recipe.fraction < budget - 1e-9
+    short = (budget is not None and recipe.config.mode == "recipe"
+             and recipe.fraction < budget - 1e-9)
     reach = f" [budget {budget:g} out of reach: every compute-bound GEMM]" if short else ""
     fwd = sum(d.quantized for d in rows if d.direction == "forward")
     head = [d.name.split(".")[1] for d in recipe.decisions if d.quantized and not d.linear]
@@ -76,8 +76,8 @@ def recipe_json(recipe: Recipe) -> dict:
 def recipe_markdown(recipe: Recipe) -> str:
     """The explanation table (every GEMM) under a short header."""
     cfg = recipe.config
-    device = "none (every GEMM eligible)" if recipe.device is None else \
-        f"{recipe.device.name}: ridge {recipe.device.ridge:.0f} FLOP/B"
+    device = ("none (every GEMM eligible)" if recipe.device is None else
+              f"{recipe.device.name}: ridge {recipe.device.ridge:.0f} FLOP/B")
     target = "" if recipe.target is None else f" (target {100 * recipe.target:.1f}%)"
     lines = [f"# PGQ {recipe.plan.method}", "",
              f"* format `{cfg.format}`; thresholds (SQNR ratio) forward "

@@ -110,9 +110,9 @@ def _solved(shape: ModelShape, seed: int, budget: float, mode: str):
                                 seed=seed, shape=shape, stage_of=layer_stages(shape))
     sol = solve(problem, budget, mode, SolverConfig())
     variables = sum(len(s.options) for s in problem.sites)
-    return IlpRun(budget, mode, variables, sol.status, sol.objective, sol.fp4_fraction,
-                  sol.stage_fp4_fraction, sol.pruned, sol.solve_time), \
-        tuple(sol.choice.items())
+    return (IlpRun(budget, mode, variables, sol.status, sol.objective, sol.fp4_fraction,
+                   sol.stage_fp4_fraction, sol.pruned, sol.solve_time),
+            tuple(sol.choice.items()))
 
 
 def solve_for_shape(config, args, shape: ModelShape) -> tuple[IlpRun, dict[str, str]]:

@@ -39,15 +39,14 @@ from megatron_ext.sites import SITES, ROLES, site_id
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import dry_run, memory, planner
 from megatron_ext.methods.snip.divergence import SiteStats, divergences
-from megatron_ext.methods.snip.flags import ENABLED_BY, POLICIES, SnipConfig, active, \
-    add_arguments, config_from_args
+from megatron_ext.methods.snip.flags import (ENABLED_BY, POLICIES, SnipConfig, active,
+                                             add_arguments, config_from_args)
 from megatron_ext.methods.snip.candidates import option_name
 from megatron_ext.methods.snip.plots import PLOTS
 from megatron_ext.io import write_json_atomic
 from megatron_ext.methods.snip.refresh import (WeightSnapshot, adam_squares, collect,
                                                reduce_statistics)
 from megatron_ext.methods.snip.tensor_store import TensorStore, resolve
-from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
 from megatron_ext.training.distributed import device
 
@@ -110,9 +109,7 @@ class SnipRun:
         return self.config
 
     def validate(self, args) -> None:
-        if self.configure(args) is not None and args.use_torch_fsdp2:  # whole weights
-            raise UsageError(f"--precision {self.config.policy} does not run under "
-                             "--use-torch-fsdp2 yet (its statistics need unsharded weights)")
+        self.configure(args)
 
     def make_plan(self, args, arg=None) -> PrecisionPlan:
         """The policies' ``make``: :func:`initial_plan` under this run's config."""
@@ -288,7 +285,7 @@ def _divergence_json(step, names, stats, q, table, policy) -> dict:
 
 
 def snip_extension(controller: PlanController) -> Extension:
-    """The SNIP Extension of one run: its seven policies, refreshes replacing
+    """The SNIP Extension of one run: its six policies, refreshes replacing
     ``controller``'s base plan."""
     snip = SnipRun(controller)
     policies = tuple(Policy(name, snip.make_plan, owner="snip",
@@ -301,6 +298,7 @@ def snip_extension(controller: PlanController) -> Extension:
 
     return Extension(name="snip", add_arguments=add_arguments, validate=snip.validate,
                      active=active, enabled_by=ENABLED_BY, policies=policies, plots=PLOTS,
+                     conflicts=SnipConfig.CONFLICTS,
                      describe=when_on(lambda args: describe(snip.config, args)),
                      after_setup=when_on(snip.after_setup), before_step=when_on(snip.before_step),
                      on_step=when_on(snip.on_step),

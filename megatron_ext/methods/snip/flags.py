@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron_ext.errors import UsageError, finite_float
+from megatron_ext.extension import Conflict, no_fsdp
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.candidates import DEFAULT_CANDIDATES, parse_candidates
@@ -80,6 +82,9 @@ def active(args: argparse.Namespace) -> bool:
 class SnipConfig:
     """One run's SNIP settings; each field is the flag named in its docstring."""
 
+    CONFLICTS: ClassVar[tuple[Conflict, ...]] = no_fsdp("its statistics need unsharded "
+                                                        "weights")
+    """The flags SNIP's policies do not run with."""
     policy: str
     """``--precision``: ``snip`` or one of its baselines."""
     candidates: dict[str, tuple[str, ...]]

@@ -159,8 +159,8 @@ class Solution:
 
 
 def _check_inputs(problem: Problem, budget: float, mode: str) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) \
-            or not 0.0 <= budget <= 1.0:
+    if (isinstance(budget, bool) or not isinstance(budget, (int, float))
+            or not 0.0 <= budget <= 1.0):
         raise ValueError(f"budget must be a fraction in [0, 1], got {budget!r}")
     if mode not in STAGE_BALANCE:
         raise ValueError(f"stage_balance must be one of {STAGE_BALANCE}, got {mode!r}")
@@ -240,8 +240,8 @@ def _solve_block(block: Block, tab: Tables, warm: np.ndarray, config: SolverConf
     cost = tab.q[block.site, block.option]
     start = _start(block, cost, warm, config)
     if time_limit <= 0:
-        return BlockResult("timeout", detail="time limit spent before this block") \
-            if start is None else BlockResult("feasible", start, float(cost[start].sum()))
+        return (BlockResult("timeout", detail="time limit spent before this block")
+                if start is None else BlockResult("feasible", start, float(cost[start].sum())))
     return run_highs(block, cost, start, time_limit, config.mip_gap, config.threads)
 
 

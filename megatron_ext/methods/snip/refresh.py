@@ -56,8 +56,8 @@ PASSES = (BASE, PROBE_BACKWARD, PROBE_FORWARD)
 
 def _sample_offsets(args, consumed: int) -> list[int]:
     """Global index of the first sample of each of this DP rank's micro-batches."""
-    dp, rank = parallel_state.get_data_parallel_world_size(), \
-        parallel_state.get_data_parallel_rank()
+    dp, rank = (parallel_state.get_data_parallel_world_size(),
+                parallel_state.get_data_parallel_rank())
     return [consumed + k * args.micro_batch_size * dp + rank * args.micro_batch_size
             for k in range(args.num_microbatches)]
 
@@ -133,8 +133,8 @@ def collect(args, run, consumed_samples: int, candidates: dict, noise_scale: flo
     handles = _layer_hooks(run.model, observers, probe)
     loss = float("nan")
     try:
-        with isolated_rng(args.seed + consumed_samples), \
-                observing(run.model, observers) as linears:
+        with (isolated_rng(args.seed + consumed_samples),
+              observing(run.model, observers) as linears):
             for group in site_groups(list(observers), sites_per_pass):
                 for sid, obs in observers.items():
                     obs.active = sid in group

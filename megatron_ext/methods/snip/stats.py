@@ -127,8 +127,8 @@ def _norm_gain(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     h = h.detach().double()
     if isinstance(norm, torch.nn.LayerNorm):
         h = h - h.mean(-1, keepdim=True)
-    gamma2 = norm.weight.detach().double().square().mean() if norm.weight is not None \
-        else 1.0
+    gamma2 = (norm.weight.detach().double().square().mean() if norm.weight is not None
+              else 1.0)
     return gamma2 / (h.square().mean(-1).reshape(-1) + eps)
 
 

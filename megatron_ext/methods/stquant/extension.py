@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megatron_ext.extension import Extension
 from megatron_ext.methods.stquant import cpu_step, dry_run
-from megatron_ext.methods.stquant.flags import ENABLED_BY, OPTIMIZER, active, add_arguments, \
-    config_from_args
+from megatron_ext.methods.stquant.flags import (ENABLED_BY, OPTIMIZER, active, add_arguments,
+                                                config_from_args)
 from megatron_ext.methods.stquant.optimizer import STQuantConfig, STQuantOptimizer
 from megatron_ext.methods.stquant.quantizer import BITS
 from megatron_ext.methods.stquant.plots import PLOTS
@@ -77,6 +77,7 @@ def stquant_extension(controller=None) -> Extension:
     stquant = StquantRun()
     return Extension("stquant", add_arguments=add_arguments, validate=stquant.validate,
                      active=active, enabled_by=ENABLED_BY, optimizers=(OPTIMIZER,), plots=PLOTS,
+                     conflicts=STQuantConfig.CONFLICTS,
                      describe=lambda args: describe(stquant.config) if stquant.config else None,
                      wrap_optimizer=stquant.wrap_optimizer, on_step=stquant.on_step,
                      dry_run_estimate=lambda args, context:

@@ -72,9 +72,6 @@ def config_from_args(args: argparse.Namespace) -> STQuantConfig | None:
         raise UsageError(f"--stquant-tau must be positive, got {args.stquant_tau}")
     if list(args.stquant_thresholds) != sorted(args.stquant_thresholds):
         raise UsageError("--stquant-thresholds must be increasing")
-    if args.use_torch_fsdp2 or args.use_megatron_fsdp:
-        raise UsageError("--optimizer stquant-adamw works with megatron's DDP and distributed "
-                         "optimizer, not with FSDP")
     tau = args.stquant_tau or auto_tau(args.num_layers, args.global_batch_size)
     score = ScoreConfig(tau=tau, phi=args.stquant_phi, thresholds=tuple(args.stquant_thresholds),
                         alpha=args.stquant_ema, update_every=args.stquant_update_every)

@@ -29,7 +29,9 @@ thin wrapper that delegates every other attribute to megatron's optimizer:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from megatron_ext.extension import Conflict, no_fsdp
 from megatron_ext.methods.stquant.adamw import QuantizedAdamW, Slot
 from megatron_ext.methods.stquant.allocator import Allocator, param_entries
 from megatron_ext.methods.stquant.checkpoint import load_request, restore, save_state
@@ -40,6 +42,9 @@ from megatron_ext.methods.stquant.score import ScoreConfig, ScoreEngine
 class STQuantConfig:
     """How STQuant quantizes and allocates (flags ``--stquant-*``)."""
 
+    CONFLICTS: ClassVar[tuple[Conflict, ...]] = no_fsdp(
+        "it works with megatron's DDP and distributed optimizer, not with FSDP")
+    """The flags ``--optimizer stquant-adamw`` does not run with."""
     score: ScoreConfig
     """The score engine's constants."""
     block: int = 64

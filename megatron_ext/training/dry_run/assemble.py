@@ -44,8 +44,8 @@ def gpu_job_impl(args, extensions) -> str:
     return impl
 
 
-def _stage(args, p: StageParams, layout, vocab: int, parts, seconds: float | None) \
-        -> StageReport:
+def _stage(args, p: StageParams, layout, vocab: int, parts,
+           seconds: float | None) -> StageReport:
     given = moments(parts)
     w, g, o = est.model_state_bytes(p.per_gpu, layout,
                                     given.moments[p.stage] if given else None)

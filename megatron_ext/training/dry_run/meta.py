@@ -22,7 +22,10 @@ biases of row-parallel layers); the model's total skips the copy of tied word em
 the last stage holds (megatron tags that copy ``shared``).
 
 The layers are always megatron-core's local ones: Transformer Engine's fused norm + linear
-modules hold the same parameters, and need TE and a GPU to build.
+modules hold the same parameters, and need TE and a GPU to build; a TE attention backend
+(``flash``, ``fused``, ``unfused``) is stood in for by SDPA, which has no parameters either
+(:func:`local_stand_in`). What the GPU job runs — its layers, attention, FP8 GEMMs — the
+report takes from the real run's own decisions, not from these stand-ins.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_ext.compat import cpu
 from megatron_ext.errors import UsageError
+from megatron_ext.training.attention_backend import LOCAL_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -107,11 +111,19 @@ def _stage_config(args):
     return config
 
 
+def local_stand_in(args) -> argparse.Namespace:
+    """The flags with megatron-core's local layers and a local attention backend (a TE
+    backend's stand-in: SDPA), which build on the meta device with the job's parameters."""
+    backend = args.attention_backend if args.attention_backend in LOCAL_BACKENDS else "sdpa"
+    return argparse.Namespace(**{**vars(args), "transformer_impl": "local",
+                                 "attention_backend": backend})
+
+
 def build_stage(args, stage: int, rank: int, vocab: int) -> StageParams:
     """Build ``stage`` on the meta device in a fake world at ``rank``; count its parameters."""
     from megatron_ext.training import model
 
-    local = argparse.Namespace(**{**vars(args), "transformer_impl": "local"})
+    local = local_stand_in(args)
     with fake_world(args.world_size, rank, args) as ps:
         assert ps.get_pipeline_model_parallel_rank() == stage
         with torch.device("meta"):

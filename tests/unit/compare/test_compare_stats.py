@@ -42,8 +42,8 @@ def test_ranks_within_groups_with_ties(results):
     assert [g["ranking"] for g in results["groups"]] == [["ref"], ["c", "a", "b"], ["d"]]
     # per seed in group 0.5: (3, 2, 1) -> c, (3, 3, 2) -> c, (3, 4, 3) -> a (tie: config order)
     assert results["groups"][1]["best_per_seed"] == {"1": "c", "2": "c", "3": "a"}
-    assert "1. `c`, 2. `a`, 2. `b`; runner-up − best = +1.0000 ± 0.5774 (z = +1.7, paired); " \
-        "`c` is best on 2 of 3 seeds" in markdown(results, [])
+    assert ("1. `c`, 2. `a`, 2. `b`; runner-up − best = +1.0000 ± 0.5774 (z = +1.7, paired); "
+            "`c` is best on 2 of 3 seeds" in markdown(results, []))
 
 
 def test_margin_and_reference_differences(results):

@@ -146,8 +146,8 @@ def test_unsupported_configs_are_refused(config, changes, message):
                                            (4, 1, "TP=4 does not divide --num-query-groups 6")])
 def test_layouts_the_model_cannot_run_at_are_refused(tp, pp, message):
     with pytest.raises(UsageError, match=message):
-        _spec(LLAMA, num_attention_heads=12, num_key_value_heads=6, hidden_size=96)[0] \
-            .megatron_args(tp, pp)
+        (_spec(LLAMA, num_attention_heads=12, num_key_value_heads=6, hidden_size=96)[0]
+         .megatron_args(tp, pp))
 
 
 @pytest.mark.parametrize("config", [LLAMA, GPT2, {**LLAMA, "rope_parameters": LLAMA3_ROPE},

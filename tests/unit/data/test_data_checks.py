@@ -28,8 +28,8 @@ def test_a_good_dataset_passes_and_megatron_reads_it(byte_dataset):
     prefix = byte_dataset("d", DOCS)
     check_indexed_dataset(prefix)
     dataset = IndexedDataset(prefix)  # megatron's own reader: the sizes the check assumed
-    assert [len(dataset[i]) for i in range(len(dataset))] == \
-        [len(d.encode()) + 1 for d in DOCS]
+    assert ([len(dataset[i]) for i in range(len(dataset))] ==
+            [len(d.encode()) + 1 for d in DOCS])
     assert os.path.getsize(prefix + ".bin") == sum(len(d.encode()) + 1 for d in DOCS) * 2
 
 
@@ -107,6 +107,6 @@ def test_pretrain_stops_with_one_line(byte_dataset, tmp_path, case):
                       "byte", "--run-dir", str(tmp_path / "run")])
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
-        proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (
+        proc.stderr[-3000:])
     assert not (tmp_path / "run").exists()

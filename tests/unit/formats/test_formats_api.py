@@ -185,8 +185,8 @@ def test_col_scaling_is_one_scale_per_index_of_the_axis():
 
     from megatron_ext.formats import fake_quant, get_format, quantize
 
-    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(0)) \
-        * torch.logspace(-3, 3, 7).unsqueeze(1)  # tokens of very different magnitude
+    x = (torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+         * torch.logspace(-3, 3, 7).unsqueeze(1))  # tokens of very different magnitude
     per_token = fake_quant(x.t(), "fp4_e2m1@col", axis=-1).t()
     reference = torch.stack([fake_quant(row, "fp4_e2m1") for row in x])
     assert torch.equal(per_token, reference)

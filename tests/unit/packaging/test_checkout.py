@@ -36,7 +36,7 @@ def _import(pythonpath: str, rank: str = "0") -> str:
 def test_a_script_run_with_another_checkout_on_pythonpath_says_which_runs(tmp_path):
     old = _checkout(tmp_path / "before")
     said = _import(str(old))
-    assert f"note: megatron_ext runs from {REPO}, not from the checkout PYTHONPATH names " \
-           f"({old})" in said
+    assert (f"note: megatron_ext runs from {REPO}, not from the checkout PYTHONPATH names "
+            f"({old})" in said)
     assert "note:" not in _import(str(old), rank="1")  # once per job, not per rank
     assert "note:" not in _import(str(REPO))

@@ -31,8 +31,8 @@ def test_a_forbidden_import_is_caught(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(tmp_path), "PATH": ""})
     assert proc.returncode != 0
-    assert "megatron_ext.training.uses_a_method -> megatron_ext.methods.snip.planner" in \
-        proc.stdout
+    assert ("megatron_ext.training.uses_a_method -> megatron_ext.methods.snip.planner" in
+            proc.stdout)
 
 
 def test_the_plan_value_types_load_no_megatron_core():

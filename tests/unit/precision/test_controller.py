@@ -1,4 +1,4 @@
-"""The plan controller: overlays compose over any base in order, ``raise`` never lowers an
+"""The plan controller: overlays compose over any base in any order, ``raise`` never lowers an
 operand, changes are reported by site, state round-trips exactly (checkpoint resume)."""
 
 import pytest
@@ -21,7 +21,7 @@ def test_raise_takes_the_higher_precision_of_each_operand():
     assert lifted.operand("wgrad", "x") == "bf16" and lifted.x == FP8.x
 
 
-def test_overlays_compose_in_order_over_the_base():
+def test_overlays_compose_over_the_base():
     base = uniform_plan("fp4", 2)
     keep = Overlay("precision", "keep1bf16", {"L0.qkv": BF16, "L1.fc2": BF16})
     promote = Overlay("gnmr", "promotions", {"L0.qkv": FP8, "L1.proj": FP8}, rule="raise")
@@ -30,8 +30,11 @@ def test_overlays_compose_in_order_over_the_base():
     assert plan.formats("L0.qkv") == BF16  # raised to FP8 would lower BF16: stays
     assert plan.formats("L1.proj") == FP8 and plan.formats("L1.fc2") == BF16
     assert plan.formats("L0.fc1") == FP4
-    set_after = compose(base, [promote, Overlay("faults", "fallback", {"L1.proj": FP4})])
-    assert set_after.formats("L1.proj") == FP4  # "set" replaces whatever lies beneath
+    fallback = Overlay("faults", "fallback", {"L1.proj": FP4, "L1.fc1": FP8})
+    set_after = compose(base, [promote, fallback])
+    assert set_after.formats("L1.fc1") == FP8  # "set" replaces the base's formats
+    assert set_after.formats("L1.proj") == FP8  # and a raise lifts them, set before or after
+    assert set_after == compose(base, [fallback, promote])
     assert compose(base, [Overlay("x", "empty", {})]).method == "uniform:fp4"
 
 
@@ -96,3 +99,36 @@ def test_a_derive_that_changes_the_controller_is_refused():
     with pytest.raises(RuntimeError, match="set_base while an overlay is derived"):
         ctl.effective()
     assert ctl.base == uniform_plan("fp4", 1)
+
+
+def test_any_order_of_laying_the_overlays_gives_one_plan():
+    """A SNIP base, GNMR's derived promotions, the kept layers and another ``set`` overlay
+    pinning one of their sites: every order of laying them commits the same plan (hash)."""
+    from functools import partial
+    from itertools import permutations
+
+    from megatron_ext.methods.gnmr.promote import promotion_overlay
+    from megatron_ext.precision.policies import keep_overlay
+
+    fp4, fp8 = uniform_plan("fp4", 4), uniform_plan("fp8", 4)
+    snip = fp4.replace(sites={**fp4.sites, "L1.qkv": FP8, "L2.fc2": FP8}, method="snip")
+    keep = keep_overlay(1, 4)
+    overlays = [
+        ("gnmr", "promotions", None, "raise",
+         partial(promotion_overlay, units=["L1", "L3"], high="auto")),
+        (keep.owner, keep.name, keep.sites, keep.rule, None),
+        ("faults", "fallback", {"L0.qkv": FP8, "L2.fc1": fp8.sites["L2.fc1"]}, "set", None),
+    ]
+    hashes = set()
+    for order in permutations(overlays):
+        ctl = PlanController()
+        ctl.set_base(snip)
+        for owner, name, sites, rule, derive in order:
+            ctl.set_overlay(owner, name, sites, rule, derive)
+        plan = ctl.effective()
+        hashes.add(plan.hash)
+    assert len(hashes) == 1
+    assert plan.method == "snip+fallback+keep1bf16+promotions"
+    assert plan.formats("L0.qkv") == BF16  # the higher of the two pins
+    assert plan.formats("L2.fc1") == FP8 and plan.formats("L2.fc2") == FP8
+    assert plan.formats("L1.qkv") == BF16 and plan.formats("L1.fc1") == FP8  # promoted

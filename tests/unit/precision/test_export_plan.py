@@ -85,8 +85,8 @@ def _check(plan, model, tmp_path, expected: dict, **kw):
              for (layer, site), want in expected.items()}
     assert set(paths) <= set(got)
     assert {name: got[name] for name in paths} == paths
-    assert all(v == BF16 for name, v in got.items() if name not in paths), \
-        "a module outside the plan's sites got quantized"
+    assert all(v == BF16 for name, v in got.items() if name not in paths), (
+        "a module outside the plan's sites got quantized")
     return export
 
 

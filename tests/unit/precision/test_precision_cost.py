@@ -26,8 +26,8 @@ PLAN = PrecisionPlan({
 
 
 def test_hand_computed_example():
-    assert [SHAPE.site_nk(s) for s in ("qkv", "proj", "fc1", "fc2")] == \
-        [(8, 4), (4, 4), (12, 4), (4, 6)]
+    assert ([SHAPE.site_nk(s) for s in ("qkv", "proj", "fc1", "fc2")] ==
+            [(8, 4), (4, 4), (12, 4), (4, 6)])
     report = flop_report(PLAN.formats, SHAPE)
     assert report.total == 14400
     stage0 = {"fp4": 640 + 2880, "fp8": 1280, "bf16": 2400}
@@ -80,8 +80,8 @@ def test_site_times_follow_the_wider_operand():
 def test_fixed_time_is_attention_core_per_layer_and_output_layer_on_the_last_stage():
     # 6*T*s*h = 6*10*5*4 = 1200 per layer; 6*T*v*h = 6*10*7*4 = 1680 on the last stage
     shape = ModelShape(3, 4, 6, 2, 1, True, 10, pipeline_stages=2, seq_length=5, vocab_size=7)
-    assert stage_fixed_seconds(shape, 10.0, stage_of=[0, 0, 1]) == \
-        pytest.approx([2 * 120, 120 + 168])
+    assert (stage_fixed_seconds(shape, 10.0, stage_of=[0, 0, 1]) ==
+            pytest.approx([2 * 120, 120 + 168]))
     plain = ModelShape(2, 4, 6, 2, 1, True, 10, pipeline_stages=2, seq_length=5)
     assert stage_fixed_seconds(plain, 10.0) == pytest.approx([120, 120])  # no vocab: no output
     with pytest.raises(ValueError, match="stage_of must give a stage"):
@@ -93,8 +93,8 @@ def test_stage_seconds_add_gemm_and_fixed_times():
     # stage 0 (L0): fp4 3520, fp8 1280, bf16 2400 FLOPs; stage 1 (L1): fp8 6720, bf16 480
     gemm = [3520 / 4 + 1280 / 2 + 2400, 6720 / 2 + 480]
     fixed = [1200, 1200 + 1680]
-    assert stage_seconds(PLAN.formats, shape, 1.0) == \
-        pytest.approx([g + f for g, f in zip(gemm, fixed)])
+    assert (stage_seconds(PLAN.formats, shape, 1.0) ==
+            pytest.approx([g + f for g, f in zip(gemm, fixed)]))
     report = flop_report(PLAN.formats, shape)
     assert report.stage_flops == [7200, 7200]
     swapped = flop_report(PLAN.formats, shape, stage_of=[1, 0])  # an explicit split

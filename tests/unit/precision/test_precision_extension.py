@@ -56,8 +56,8 @@ def test_without_precision_flags_the_run_is_megatrons(tmp_path, fp32):
 def test_uniform_fp4_trains_and_logs_its_flop_split(fp32, fp4):
     run_dir, stdout = fp4
     plan = uniform_plan("fp4", 4).replace(stage_fp4_frac=[1.0])
-    assert f"precision: plan uniform:fp4 ({plan.hash[:12]}) | linear FLOPs FP4 100.0% FP8 " \
-           "0.0% BF16 0.0%" in stdout
+    assert (f"precision: plan uniform:fp4 ({plan.hash[:12]}) | linear FLOPs FP4 100.0% FP8 "
+            "0.0% BF16 0.0%" in stdout)
     first = _records(run_dir)[0]
     assert (first["fp4_flop_frac"], first["fp8_flop_frac"], first["bf16_flop_frac"]) == (1, 0, 0)
     assert first["precision_plan"] == plan.hash[:12] and first["gemm_time_vs_bf16"] == 0.25

@@ -111,8 +111,8 @@ def _flags_plan(args):
 def test_flags_make_uniform_plans_with_kept_layers():
     plan = _flags_plan(_args("--precision", "uniform:fp4", "--keep-first-last-layers-bf16", "1"))
     assert plan.method == "uniform:fp4+keep1bf16"
-    assert [plan.formats(f"L{i}.fc1") for i in range(4)] == \
-        [UNIFORM["bf16"], UNIFORM["fp4"], UNIFORM["fp4"], UNIFORM["bf16"]]
+    assert ([plan.formats(f"L{i}.fc1") for i in range(4)] ==
+            [UNIFORM["bf16"], UNIFORM["fp4"], UNIFORM["fp4"], UNIFORM["bf16"]])
     assert UNIFORM["fp4"].dy == "fp4_e2m1@tile128+sr"  # SNIP §6.1: stochastic rounding for dy
     assert _flags_plan(_args()) is None
     assert _flags_plan(_args("--precision", "uniform:fp8", "--keep-first-last-layers-bf16",
@@ -126,8 +126,8 @@ def test_uniform_takes_any_registered_format(name):
     own mixed layouts: ``uniform:fp4`` is not ``fp4_e2m1`` thrice)."""
     plan = _flags_plan(_args("--precision", f"uniform:{name}"))
     assert plan.method == f"uniform:{name}"
-    assert {plan.formats(f"L{i}.{s}") for i in range(4) for s in ("qkv", "fc2")} \
-        == {SiteFormats(name, name, name)}
+    assert ({plan.formats(f"L{i}.{s}") for i in range(4) for s in ("qkv", "fc2")}
+            == {SiteFormats(name, name, name)})
     assert _flags_plan(_args("--precision", "uniform:fp4")).formats("L0.qkv") == UNIFORM["fp4"]
 
 

@@ -26,8 +26,8 @@ def _tensors(dtype, seed=0):
     x = torch.randn(S, B, K, generator=g)
     x[3, 1] *= 50  # an outlier token
     w = torch.randn(N, K, generator=g) * 0.05
-    return x.to(dtype), w.to(dtype), torch.randn(N, generator=g).to(dtype), \
-        torch.randn(S, B, N, generator=g).to(dtype)
+    return (x.to(dtype), w.to(dtype), torch.randn(N, generator=g).to(dtype),
+            torch.randn(S, B, N, generator=g).to(dtype))
 
 
 def _run(formats, real, dtype):
@@ -94,8 +94,8 @@ def _hopper_blockwise_reference(a, b, scale_a, scale_b, out_dtype):
         cols = slice(128 * kb, 128 * (kb + 1))
         sb = scale_b[kb].double()
         sb = sb.repeat_interleave(128) if sb.numel() == n // 128 else sb
-        out += (a[:, cols].double() * scale_a[:, kb:kb + 1].double()) @ \
-            (b[cols, :].double() * sb[None, :])
+        out += ((a[:, cols].double() * scale_a[:, kb:kb + 1].double()) @
+                (b[cols, :].double() * sb[None, :]))
     return out.to(out_dtype)
 
 
@@ -153,8 +153,8 @@ def test_execution_modes():
     with pytest.raises(ValueError, match="--fp8-execution"):
         real_gemm.wants_real("fast", cpu)
     assert "emulated" in real_gemm.describe("auto", cpu)
-    assert "real (torch._scaled_mm) on CPU for tensorxtensor, rowxrow;" in \
-        real_gemm.describe("real", cpu)
+    assert ("real (torch._scaled_mm) on CPU for tensorxtensor, rowxrow;" in
+            real_gemm.describe("real", cpu))
 
 
 @pytest.mark.parametrize("case,fp8_kept", [("tensor", True), ("row", False)])

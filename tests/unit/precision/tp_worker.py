@@ -71,8 +71,8 @@ def _run(tp_group, sequence_parallel, formats, execution):
     y.backward(dy)
     if sequence_parallel:  # as megatron's finalize_model_grads does for SP-marked params
         dist.all_reduce(row.bias.grad, group=tp_group)
-    return [y, x.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad], shard, \
-        saved
+    return ([y, x.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad], shard,
+            saved)
 
 
 def _keeps_its_rows(name, saved, rank):

@@ -99,8 +99,8 @@ def test_counts_match_closed_form_on_every_layout(layout):
     gpt = dry(["--mock-data", "--vocab-size", "4096", *layout], family="gpt")
     assert gpt.total_params == _gpt_params(4, 128, 512, 4096, 128)  # tied: counted once
     for report in (llama, gpt):
-        assert sum(s.params.distinct - s.params.shared for s in report.stages) == \
-            report.total_params
+        assert (sum(s.params.distinct - s.params.shared for s in report.stages) ==
+                report.total_params)
 
 
 def test_virtual_stages_hold_interleaved_layers():
@@ -148,16 +148,16 @@ def _layout(**kw):
 def test_model_state_bytes_are_18_or_6_plus_12_over_dp():
     assert sum(est.model_state_bytes(10, _layout(distributed_optimizer=False))) == 180
     assert sum(est.model_state_bytes(10, _layout())) == 10 * (6 + 12 / 2)
-    assert sum(est.model_state_bytes(10, _layout(bf16=False, distributed_optimizer=False))) \
-        == 10 * (4 + 4 + 8)
+    assert (sum(est.model_state_bytes(10, _layout(bf16=False, distributed_optimizer=False)))
+            == 10 * (4 + 4 + 8))
     assert sum(est.model_state_bytes(10, _layout(fsdp=True))) == 10 * 18 / 2
 
 
 def test_activation_formula_of_korthikanti_table_2():
     s, b, h, a = 8192, 1, 8192, 64
     assert est.layer_activation_bytes(h, a, _layout()) == s * b * h * (34 + 5 * a * s / h) / 4
-    assert est.layer_activation_bytes(h, a, _layout(sequence_parallel=False)) == \
-        s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4))
+    assert (est.layer_activation_bytes(h, a, _layout(sequence_parallel=False)) ==
+            s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4)))
     assert est.layer_activation_bytes(h, a, _layout(tp=1)) == s * b * h * (34 + 5 * a * s / h)
     assert est.layer_activation_bytes(h, a, _layout(flash_attention=True)) == s * b * h * 34 / 4
 
@@ -193,3 +193,20 @@ def test_gaussws_dry_run_reports_the_local_layers_the_job_gets(capsys):
     with pytest.raises(UsageError, match="per-layer precision needs --transformer-impl local"):
         dry(["--gaussws", "od", "--mock-data", "--transformer-impl", "transformer_engine"],
             extensions=default_extensions())
+
+
+def test_te_layers_with_a_te_attention_backend_are_reported_not_refused(capsys):
+    """The stages are built on local stand-ins, but the report says what the GPU job runs:
+    TE layers and TE's flash attention (the real run's decisions, issue 40)."""
+    from megatron_ext.precision.dry_run import GPU_CAPABILITY
+    from megatron_ext.precision.real_gemm import executes_real
+
+    for impl in ("transformer_engine", "auto"):
+        report = dry(["--transformer-impl", impl, "--attention-backend", "flash"],
+                     extensions=default_extensions())
+        assert "layers transformer_engine" in capsys.readouterr().out
+        assert report.total_params == dry([]).total_params  # the same parameters
+        capsys.readouterr()
+    assert executes_real("auto", GPU_CAPABILITY) and executes_real("real", None)
+    assert not executes_real("auto", None) and not executes_real("auto", (8, 0))
+    assert not executes_real("emulated", GPU_CAPABILITY)

@@ -52,8 +52,8 @@ def test_precision_memory_is_the_kept_weight_copies_by_hand(capsys):
     for extra, want in (([], [copy, copy]), (["--no-cache-quantized-weights"], [2 * copy, copy])):
         report = dry([*flags, *extra], [precision_extension()])
         assert [st.memory.extra for st in report.stages] == want
-        assert [s["quantized_gemm_kept_bytes"] for s in report.parts["precision"].stage_json] \
-            == want
+        assert ([s["quantized_gemm_kept_bytes"] for s in report.parts["precision"].stage_json]
+                == want)
     assert "the quantized GEMMs keep +0.00 GiB on stage 0" in capsys.readouterr().out
     # blockwise FP8 runs real only for reductions of a multiple of 512 (real_gemm): at K = 128
     # fprop stays emulated and keeps q(w) as above, real execution asked for or not
@@ -87,8 +87,8 @@ def test_snip_plan_stands_in_and_the_keep_overlay_lies_over_it():
     assert [s.seconds for s in kept.stages] == pytest.approx([s.seconds for s in bf16.stages])
     baseline = dry([*TINY, "--precision", "min-rel-err", "--snip-budget", "0.3"],
                    default_extensions())
-    assert baseline.parts["precision"].json["plan"] == \
-        "min-rel-err: stood in for by the SNIP ILP plan at budget 0.3"
+    assert (baseline.parts["precision"].json["plan"] ==
+            "min-rel-err: stood in for by the SNIP ILP plan at budget 0.3")
     assert min(_fp4(baseline)) >= 0.15 - 1e-9
 
 

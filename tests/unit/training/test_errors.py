@@ -75,6 +75,13 @@ CASES = {
     "stquant flag without its optimizer": (["--stquant-fixed-bits", "4"], 1,
                                            "--stquant-fixed-bits is a flag of stquant, which "
                                            "is off: it needs --optimizer stquant-adamw"),
+    "fp8 execution without a plan": (["--fp8-execution", "real"], 1,
+                                     "--fp8-execution is a flag of precision, which is off: "
+                                     "it needs --precision POLICY or --precision-plan"),
+    "snip under megatron fsdp": (["--precision", "snip", "--use-megatron-fsdp"], 1,
+                                 "snip does not run with --use-megatron-fsdp: its statistics"),
+    "gnmr under torch fsdp2": (["--precision", "uniform:fp8", "--gnmr", "--use-torch-fsdp2"],
+                               1, "gnmr does not run with --use-torch-fsdp2: it reads"),
     "keep more bf16 layers than the model has": (["--precision", "uniform:fp4",
                                                   "--keep-first-last-layers-bf16", "10"], 1,
                                                  "--keep-first-last-layers-bf16 10: the model "
@@ -93,13 +100,15 @@ def _validated(argv, world_size):
     """What pretrain_llama.py checks before any work: the trainer's, the dry run's and every
     extension's flags, parsed, then each extension's ``validate``."""
     from megatron_ext.defaults import default_extensions
-    from megatron_ext.extension import args_provider, hooks, refuse_inactive_flags
+    from megatron_ext.extension import (args_provider, hooks, refuse_conflicts,
+                                        refuse_inactive_flags)
     from megatron_ext.training import dry_run
 
     extensions = default_extensions()
     args = parse_args("llama", argv, dry_run.args_provider(args_provider(extensions)),
                       world_size=world_size)
     refuse_inactive_flags(extensions, args, set(argv))
+    refuse_conflicts(extensions, args)
     for validate in hooks(extensions, "validate"):
         validate(args)
 

@@ -89,3 +89,14 @@ def test_snip_reads_its_flags_once_into_a_frozen_config():
     assert (config.policy, config.budget, len(config.options)) == ("snip", 0.25, 8)
     with pytest.raises(AttributeError):  # frozen
         config.budget = 0.5
+
+
+def test_pgq_reads_its_flags_once_into_a_frozen_config():
+    extensions = default_extensions()
+    pretrain("llama", [*TINY, "--precision", "pgq", "--pgq-format", "fp8", "--pgq-candidates",
+                       "int8,fp8", "--pgq-profile-steps", "3", "--dry-run"], extensions)
+    config = next(e for e in extensions if e.name == "pgq").validate.__self__.config
+    assert ((config.recipe.format, config.profile_steps, list(config.candidates)) ==
+            ("fp8", 3, ["int8", "fp8"]))
+    with pytest.raises(AttributeError):  # frozen
+        config.profile_steps = 1

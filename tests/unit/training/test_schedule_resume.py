@@ -123,8 +123,8 @@ def test_through_pretrain(tmp_path):
     new_lr = ["--lr", "1e-3", "--min-lr", "1e-4"]  # not the checkpoint's (3e-3, 3e-4)
     proc = launch([*resume, *new_lr, "--override-opt_param-scheduler",
                    "--run-dir", str(tmp_path / "c")])
-    assert "LR schedule: the flags' (--override-opt_param-scheduler): cosine from 0.001 to " \
-           "0.0001" in proc.stdout
+    assert ("LR schedule: the flags' (--override-opt_param-scheduler): cosine from 0.001 to "
+            "0.0001" in proc.stdout)
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "c") if "lr" in r}
     # a fresh run of these flags (warm-up 1: FAST_ARGS) runs step 5 at its scheduler's step-4 LR
     fresh = build_scheduler(parse_args("llama", [*resume, *new_lr], world_size=1), _Optimizer(

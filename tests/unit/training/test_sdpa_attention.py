@@ -212,8 +212,8 @@ def test_attention_backend_resolution():
     from megatron_ext.training.layer_impl import resolve_transformer_impl
 
     assert [resolve(b, "local") for b in ("auto", "sdpa", "local")] == ["sdpa", "sdpa", "local"]
-    assert [resolve(b, "transformer_engine") for b in ("auto", "flash", "fused", "unfused")] \
-        == ["auto", "flash", "fused", "unfused"]
+    assert ([resolve(b, "transformer_engine") for b in ("auto", "flash", "fused", "unfused")]
+            == ["auto", "flash", "fused", "unfused"])
     with pytest.raises(UsageError, match="flash is Transformer Engine's"):
         resolve("flash", "local")
     with pytest.raises(UsageError, match="sdpa runs in megatron-core's local layers"):

@@ -8,7 +8,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from megatron_ext.methods.gaussws.history import load_bitwidths
-from megatron_ext.viz.cli import main
+from megatron_ext.defaults import plot_main as main
 
 SITES = ["L1.fc2", "L0.proj", "L1.proj", "L0.fc2"]  # not in model order on purpose
 

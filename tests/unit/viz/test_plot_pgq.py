@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from megatron_ext.viz.cli import main
+from megatron_ext.defaults import plot_main as main
 from megatron_ext.viz.pgq import sqnr_grid
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "methods" / "pgq"))

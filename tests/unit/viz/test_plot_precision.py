@@ -23,7 +23,7 @@ from megatron_ext.precision.controller import compose
 from megatron_ext.precision.policies import UNIFORM, keep_overlay, uniform_plan
 from megatron_ext.sites import SITES, site_id
 from megatron_ext.precision.site_formats import SiteFormats
-from megatron_ext.viz.cli import main
+from megatron_ext.defaults import plot_main as main
 from megatron_ext.viz.colors import CLASS_COLORS, family_color, format_family
 from megatron_ext.viz.inputs import default_option, fp4_roles
 
@@ -120,9 +120,9 @@ def test_stage_bars_are_the_cost_models_fractions(inputs, tmp_path, capsys):
     report = flop_report(plan.formats, shape)
     printed = capsys.readouterr().out.splitlines()
     for stage, fractions in enumerate(report.stage_fractions):
-        assert printed[stage] == f"stage {stage}: FP4 {100 * fractions['fp4']:.1f}%, " \
-                                 f"FP8 {100 * fractions['fp8']:.1f}%, " \
-                                 f"BF16 {100 * fractions['bf16']:.1f}%"
+        assert printed[stage] == (f"stage {stage}: FP4 {100 * fractions['fp4']:.1f}%, "
+                                  f"FP8 {100 * fractions['fp8']:.1f}%, "
+                                  f"BF16 {100 * fractions['bf16']:.1f}%")
     assert report.stage_fractions[0]["bf16"] == 0.5  # layer 0 of 0-1 kept in BF16
     check_png(out, [CLASS_COLORS["fp4"], CLASS_COLORS["bf16"]])
 
@@ -131,8 +131,8 @@ def test_stage_bars_are_the_cost_models_fractions(inputs, tmp_path, capsys):
 def test_evolution_of_a_run_directory(inputs, tmp_path, color_by):
     out = tmp_path / "evolution.png"
     assert plot("evolution", inputs / "run", "--color-by", color_by, "--out", out) == 0
-    colours = ["#8b1a1a", "#e3e3e3"] if color_by == "fp4-roles" else \
-        [family_color("fp4"), family_color("fp8"), family_color("mxfp4")]
+    colours = (["#8b1a1a", "#e3e3e3"] if color_by == "fp4-roles" else
+               [family_color("fp4"), family_color("fp8"), family_color("mxfp4")])
     check_png(out, colours)
 
 
@@ -327,10 +327,18 @@ def test_subcommands_are_assembled_from_the_extensions(tmp_path, capsys):
     assert "invalid choice: 'gnmr'" in capsys.readouterr().err
 
 
-def test_the_tool_offers_exactly_the_plots_the_default_extensions_bring():
-    from megatron_ext.defaults import default_extensions, default_plots
-    from megatron_ext.extension import declared
+def test_the_tool_offers_exactly_the_plots_the_extensions_bring(tmp_path, capsys):
+    """The methods' plots come from their Extensions; a method without plots (the toy of
+    tests/e2e/toy_method) has no subcommand: one line, exit status 2, no traceback."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    from toy_method import toy_extension
 
-    names = [p.name for p in default_plots()]
-    assert names == [p.name for p in declared(default_extensions(), "plots")]
-    assert {"evolution", "divergence", "gnmr", "pgq", "stquant", "gaussws"} == set(names)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("evolution", "divergence", "gnmr", "pgq", "stquant",
+                                        "gaussws"))
+    assert main(["toy", str(tmp_path), "--out", str(tmp_path / "t.png")], toy_extension) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'toy'" in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err

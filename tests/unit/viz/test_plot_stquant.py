@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from megatron_ext.viz.cli import main
+from megatron_ext.defaults import plot_main as main
 from megatron_ext.viz.inputs import load_widths
 from megatron_ext.viz.widths import WIDTH_COLORS, short_name
 

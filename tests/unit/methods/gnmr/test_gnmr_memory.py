@@ -21,11 +21,11 @@ TP2_SP = ActivationLayout(tokens=32, tp=2, sequence_parallel=True)
 
 def test_saved_elements_by_hand():
     # column-parallel: T x K (replicated input); row-parallel: T x K/t
-    assert [saved_elements(SHAPE, s, TP2) for s in ("qkv", "proj", "fc1", "fc2")] == \
-        [32 * 64, 32 * 32, 32 * 64, 32 * 64]
+    assert ([saved_elements(SHAPE, s, TP2) for s in ("qkv", "proj", "fc1", "fc2")] ==
+            [32 * 64, 32 * 32, 32 * 64, 32 * 64])
     # sequence parallel: column-parallel sites keep T/t rows
-    assert [saved_elements(SHAPE, s, TP2_SP) for s in ("qkv", "proj", "fc1", "fc2")] == \
-        [16 * 64, 32 * 32, 16 * 64, 32 * 64]
+    assert ([saved_elements(SHAPE, s, TP2_SP) for s in ("qkv", "proj", "fc1", "fc2")] ==
+            [16 * 64, 32 * 32, 16 * 64, 32 * 64])
 
 
 def test_unit_extra_bytes_by_hand():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_ext.formats import fake_quant
-from megatron_ext.methods.gnmr.operand_stats import OperandStatsCollector, operand_sums, \
-    unit_stats
+from megatron_ext.methods.gnmr.operand_stats import (OperandStatsCollector, operand_sums,
+                                                     unit_stats)
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.sites import OPERANDS, all_site_ids

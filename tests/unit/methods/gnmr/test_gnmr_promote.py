@@ -28,8 +28,8 @@ def test_explicit_recipes():
     assert promoted_formats(UNIFORM["fp4"], "bf16") == BF16
     assert promoted_formats(UNIFORM["fp4"], "fp8") == FP8
     # already as wide as the recipe: kept as it is (another FP8 layout, or wider)
-    assert promoted_formats(SiteFormats("mxfp8", "fp8_e5m2", "bf16"), "fp8") == \
-        SiteFormats("mxfp8", "fp8_e5m2", "bf16")
+    assert (promoted_formats(SiteFormats("mxfp8", "fp8_e5m2", "bf16"), "fp8") ==
+            SiteFormats("mxfp8", "fp8_e5m2", "bf16"))
 
 
 def test_overrides_are_lifted_by_role():
@@ -52,8 +52,8 @@ def test_never_demotes(high):
             lifted = promoted_formats(base, high)
             for op in OPERANDS:
                 gemm, r = op.split(".")
-                assert _width(lifted.operand(gemm, r)) >= _width(base.operand(gemm, r)), \
-                    (name, role, high)
+                assert _width(lifted.operand(gemm, r)) >= _width(base.operand(gemm, r)), (
+                    name, role, high)
             if _width(name) >= 16:
                 assert lifted == base  # already high: untouched
         base = SiteFormats(overrides=(("fprop.x", name),))

@@ -158,8 +158,8 @@ def test_resume_mid_run_matches_the_uninterrupted_run(rule):
     rng = np.random.default_rng(1)
     norms = rng.uniform(0.5, 2.0, size=(12, 4))
     stats = [_stats(rng.uniform(0, 10, 4), rng.uniform(0, 2e-4, 4)) for _ in range(12)]
-    config = GnmrConfig(rule=rule, topk=1, warmup_frac=0.25) if rule != "autoswitch" \
-        else GnmrConfig(rule=rule)
+    config = (GnmrConfig(rule=rule, topk=1, warmup_frac=0.25) if rule != "autoswitch"
+              else GnmrConfig(rule=rule))
     _, straight = run(config, norms, total=20, stats=stats)
     first = GnmrController.create(config, BLOCKS, 20)
     for t in range(1, 4):

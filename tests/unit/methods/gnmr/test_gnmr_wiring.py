@@ -57,8 +57,8 @@ def test_flags_make_the_config():
     assert _parse([]) is None
     config = _parse(["--gnmr", "--gnmr-max-promoted", "3", "--gnmr-alpha", "1.5",
                      "--gnmr-compare", "excess", "--gnmr-granularity", "site"])
-    assert (config.max_promoted, config.alpha, config.compare, config.granularity) == \
-        (3, 1.5, "excess", "site")
+    assert ((config.max_promoted, config.alpha, config.compare, config.granularity) ==
+            (3, 1.5, "excess", "site"))
     assert config.lock == 10 and config.beta == 1.5  # the rest: GnmrConfig's defaults
     assert _parse(["--gnmr", "--gnmr-max-promoted", "0.5"]).max_promoted == 0.5
     config = _parse(["--gnmr", "--gnmr-rule", "static-topk", "--gnmr-topk", "2"])
@@ -90,12 +90,18 @@ def test_bad_flags_are_one_line(argv, message):
 
 
 def test_fsdp_is_refused():
+    from megatron_ext.extension import refuse_conflicts
+    from megatron_ext.methods.gnmr.extension import gnmr_extension
+
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--gnmr"])
-    args.use_torch_fsdp2, args.use_megatron_fsdp = True, False
-    with pytest.raises(UsageError, match="does not run with --use-torch-fsdp2"):
-        config_from_args(args)
+    for fsdp2, megatron_fsdp in ((True, False), (False, True)):
+        args.use_torch_fsdp2, args.use_megatron_fsdp = fsdp2, megatron_fsdp
+        with pytest.raises(UsageError, match="gnmr does not run with --use-"):
+            refuse_conflicts([gnmr_extension(None)], args)
+    args.gnmr = False  # off: its conflicts do not apply
+    refuse_conflicts([gnmr_extension(None)], args)
 
 
 # tiny llama (h 128, 4 heads of 32, 2 KV groups, SwiGLU 352), TP=2 x PP=2, 4 micro-batches
@@ -114,8 +120,8 @@ def test_dry_run_bound_by_hand(tmp_path, capsys, extra, budget):
     unit = SAVED * (8.25 - 4.25) / 8  # FP4 tiles (4.25 bits) -> FP8 tiles (8.25 bits)
     held = [2, 1]  # 1F1B: stage k holds min(p - k, m) micro-batches
     part = report.parts["gnmr"]
-    assert [s["gnmr_extra_bytes"] for s in part.stage_json] == \
-        [held[k] * budget * unit for k in (0, 1)]
+    assert ([s["gnmr_extra_bytes"] for s in part.stage_json] ==
+            [held[k] * budget * unit for k in (0, 1)])
     saved = json.loads(out.read_text())
     assert saved["gnmr"] == {"units": 4, "granularity": "block", "max_promoted": budget,
                              "allreduce_bytes": 32}

@@ -195,5 +195,5 @@ def test_tool_bad_input_is_one_line(tmp_path, capsys, flags, message):
 
 def test_tool_missing_profile_is_one_line(tmp_path, capsys):
     assert cli.main([str(tmp_path / "nope.json"), "--out", str(tmp_path / "o")]) == 2
-    assert capsys.readouterr().err.strip() == \
-        f"error: cannot read '{tmp_path / 'nope.json'}': No such file or directory"
+    assert (capsys.readouterr().err.strip() ==
+            f"error: cannot read '{tmp_path / 'nope.json'}': No such file or directory")

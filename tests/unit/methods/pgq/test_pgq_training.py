@@ -59,8 +59,8 @@ def test_saved_profile_gives_the_same_run_without_profiling(pgq_run, tmp_path):
             "--train-iters", "2", "--no-save", "--run-dir", str(run_dir)])
     assert not (run_dir / "pgq" / "profile.json").exists()
     assert (run_dir / "pgq" / "recipe.json").exists()
-    assert load_plan(str(run_dir / "precision_plan.json")).sites == \
-        load_plan(str(pgq_run / "precision_plan.json")).sites
+    assert (load_plan(str(run_dir / "precision_plan.json")).sites ==
+            load_plan(str(pgq_run / "precision_plan.json")).sites)
     assert train_losses(run_dir) == train_losses(pgq_run)  # the profile did not perturb
 
 
@@ -109,8 +109,8 @@ def test_bad_pgq_flag_through_the_entry_point_is_one_line():
     proc = launch([*FAST_ARGS, *PGQ, "--pgq-profile", "missing.json", "--train-iters", "2",
                    "--no-save"], check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: --precision: cannot read 'missing.json': No such " \
-                                  "file or directory"
+    assert proc.stderr.strip() == ("error: --precision: cannot read 'missing.json': No such "
+                                   "file or directory")
 
 
 # every forward GEMM quantized (fprop margins >> 1e-9), no backward one (<< 1e9): with

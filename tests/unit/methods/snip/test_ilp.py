@@ -137,8 +137,8 @@ def test_warm_start_with_a_dominated_or_unknown_option_is_accepted():
     warm = {s.site: option_name(("x",)) for s in problem.sites}  # dominated everywhere
     warm["L0.qkv"] = "no-such-option"
     warm["L99.qkv"] = option_name(())
-    assert solve(problem, 0.5, "time", warm_start=warm).objective == \
-        pytest.approx(solve(problem, 0.5, "time").objective, abs=1e-9)
+    assert (solve(problem, 0.5, "time", warm_start=warm).objective ==
+            pytest.approx(solve(problem, 0.5, "time").objective, abs=1e-9))
 
 
 def test_eq5_is_infeasible_on_uneven_stages_where_time_mode_is_not():
@@ -211,10 +211,10 @@ def test_time_bound_is_half_the_budget_saving_without_fixed_time():
     bare = Problem(problem.sites, problem.num_stages)
     all_fp8 = max(sum(s.options[0].time for s in bare.sites if s.stage == k) for k in (0, 1))
     for budget in (0.0, 0.3, 1.0):
-        assert ilp_arrays.stage_time_bound(bare, budget) == \
-            pytest.approx((1 - budget / 2) * all_fp8, rel=1e-12)
-        assert ilp_arrays.stage_time_bound(problem, budget) == \
-            pytest.approx(time_bound(problem, budget), rel=1e-12)
+        assert (ilp_arrays.stage_time_bound(bare, budget) ==
+                pytest.approx((1 - budget / 2) * all_fp8, rel=1e-12))
+        assert (ilp_arrays.stage_time_bound(problem, budget) ==
+                pytest.approx(time_bound(problem, budget), rel=1e-12))
 
 
 def test_solution_reports_match_the_plan():
@@ -252,8 +252,8 @@ def test_time_mode_needs_times():
 
 def test_synthetic_shapes():
     problem = synthetic_problem(22, stages=4, seed=0, shape="tinyllama")
-    assert [sum(1 for s in problem.sites if s.stage == k) // 4 for k in range(4)] == \
-        [6, 6, 5, 5]
+    assert ([sum(1 for s in problem.sites if s.stage == k) // 4 for k in range(4)] ==
+            [6, 6, 5, 5])
     big = synthetic_problem(2, seed=0)
     qkv = big.sites[0]
     assert qkv.flops == 3 * 2 * 8192 * (8192 + 2 * 8 * 128) * 8192  # 3 GEMMs of 2·T·N·K

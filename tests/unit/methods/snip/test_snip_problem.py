@@ -46,8 +46,8 @@ def test_json_round_trip(tmp_path):
 def test_small_problem_defaults():
     problem = Problem.from_dict(SMALL)
     assert problem.sites[1].options[1].time == 0.0  # "time" is optional
-    assert Problem.from_dict({k: v for k, v in SMALL.items() if k != "stage_fixed_time"}) \
-        .stage_fixed_time == (0.0, 0.0)
+    assert (Problem.from_dict({k: v for k, v in SMALL.items() if k != "stage_fixed_time"})
+            .stage_fixed_time == (0.0, 0.0))
     assert solve(problem, 0.5, "paper").choice == {"L0.fc1": "fp4", "L1.fc1": "fp4"}
     assert solve(problem, 0.5, "none").choice == {"L0.fc1": "fp4", "L1.fc1": "fp8"}
 
@@ -177,8 +177,8 @@ def test_cli_writes_the_solution(tmp_path):
                     "--stage-balance", "paper", "--solution", tmp_path / "fallback.json",
                     "--warm-start", out)
     assert warm.returncode == 0 and warm.stderr.startswith("warning:")
-    assert json.loads((tmp_path / "fallback.json").read_text())["status"] == \
-        "infeasible-fallback"
+    assert (json.loads((tmp_path / "fallback.json").read_text())["status"] ==
+            "infeasible-fallback")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -208,8 +208,8 @@ def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
     proc = run_tool(*args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
-        proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (
+        proc.stderr)
     assert not (tmp_path / "plan.json").exists()
 
 

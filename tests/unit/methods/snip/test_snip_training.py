@@ -71,8 +71,8 @@ def test_disk_offload_gives_the_same_refresh_and_leaves_no_files(snip_run, tmp_p
             "--run-dir", str(run_dir)])
     for step in ("step_000002", "step_000005"):
         out, ref = run_dir / "snip" / step, snip_run / "snip" / step
-        assert json.loads((out / "stats.json").read_text()) == \
-            json.loads((ref / "stats.json").read_text())
+        assert (json.loads((out / "stats.json").read_text()) ==
+                json.loads((ref / "stats.json").read_text()))
         assert load_plan(str(out / "plan.json")).hash == load_plan(str(ref / "plan.json")).hash
     assert train_losses(run_dir) == train_losses(snip_run)
     assert not list(run_dir.glob("snip_offload_*"))

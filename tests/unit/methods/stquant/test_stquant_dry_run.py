@@ -22,8 +22,8 @@ def dry_run(flags):
     (["--stquant-dry-run-bits", "32"], 32, False, False),  # float32, no scales: 8 B/param
 ])
 def test_optimizer_memory_counts_the_moments_at_b_bits(flags, bits, distributed, bf16, capsys):
-    more = (["--use-distributed-optimizer"] if distributed else []) + \
-        (["--bf16"] if bf16 else ["--no-bf16"])
+    more = ((["--use-distributed-optimizer"] if distributed else []) +
+            (["--bf16"] if bf16 else ["--no-bf16"]))
     report = dry_run([*more, "--optimizer", "stquant-adamw", "--stquant-block-size", "128",
                       *flags])
     fp32 = dry_run(more)  # the same job with FP32 Adam

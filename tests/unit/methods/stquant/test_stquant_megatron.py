@@ -142,8 +142,8 @@ def test_checkpoint_holds_codes_and_scales_per_parameter_and_restores_exactly(ru
         after = e.param.sub.optimizer.state[e.param.main]
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = before[e.name][key], after[key]
-            assert torch.equal(dequantize(a), dequantize(b)) if isinstance(a, QState) \
-                else torch.equal(a, b)
+            assert (torch.equal(dequantize(a), dequantize(b)) if isinstance(a, QState)
+                    else torch.equal(a, b))
         assert torch.equal(before[e.name]["step"], after["step"])
 
 
@@ -151,8 +151,8 @@ def test_the_load_request_names_the_saved_slices(run):
     sharded = run.optimizer.sharded_state_dict({})["stquant"]
     request = run.optimizer.sharded_state_dict({}, is_loading=True, metadata={
         "saved_common": {"stquant": sharded}})["stquant"]
-    assert {k: [o.unique_key for o in v.values()] for k, v in request["slices"].items()} == \
-        {k: [o.unique_key] for k, o in sharded["slices"].items()}
+    assert ({k: [o.unique_key for o in v.values()] for k, v in request["slices"].items()} ==
+            {k: [o.unique_key] for k, o in sharded["slices"].items()})
 
 
 @pytest.mark.parametrize("change, message", [
@@ -189,13 +189,15 @@ def _deep_clone(value):
     (["--stquant-ema", "0"], "--stquant-ema must be in"),
     (["--stquant-tau", "-1"], "--stquant-tau must be positive"),
     (["--stquant-thresholds", "12", "6.8", "24"], "--stquant-thresholds must be increasing"),
-    (["--use-torch-fsdp2"], "not with FSDP"),
+    (["--use-torch-fsdp2"], "stquant does not run with --use-torch-fsdp2: .* not with FSDP"),
 ])
 def test_bad_flags_are_one_line_usage_errors(flags, message):
-    from megatron_ext.extension import args_provider
+    from megatron_ext.extension import args_provider, refuse_conflicts
     from megatron_ext.training.arguments import parse_args
 
+    extension = stquant_extension()
     args = parse_args("llama", ["--optimizer", "stquant-adamw", *flags],
-                      args_provider([stquant_extension()]), world_size=1, optimizers=[OPTIMIZER])
+                      args_provider([extension]), world_size=1, optimizers=[OPTIMIZER])
     with pytest.raises(UsageError, match=message):
+        refuse_conflicts([extension], args)
         config_from_args(args)
