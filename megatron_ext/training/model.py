@@ -130,10 +130,13 @@ class Fusions:
 
 
 def fusions(args: argparse.Namespace, device_type: str) -> Fusions:
-    """The fusions a run with parameters on ``device_type`` (``cuda``, ``cpu``) turns on."""
+    """The fusions a run with parameters on ``device_type`` (``cuda``, ``cpu``) turns on:
+    those its flags allow (``--[no-]bias-swiglu-fusion``, ``--[no-]cross-entropy-loss-fusion``)
+    where they run."""
     cuda = device_type == "cuda"
-    return Fusions(bias_activation_fusion=cuda and bool(args.swiglu),
-                   cross_entropy_loss_fusion=cuda and bool(args.bf16))
+    return Fusions(
+        bias_activation_fusion=cuda and bool(args.swiglu) and args.bias_swiglu_fusion,
+        cross_entropy_loss_fusion=cuda and bool(args.bf16) and args.cross_entropy_loss_fusion)
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:

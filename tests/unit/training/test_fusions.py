@@ -40,6 +40,8 @@ def test_swiglu_and_cross_entropy_are_fused_on_cuda_only():
     assert _on(_args("llama", "--bf16"), "cpu") == set()
     assert _on(_args("llama"), "cuda") == {"bias_activation_fusion"}  # FP32: BF16 logits grad
     assert _on(_args("gpt", "--bf16"), "cuda") == {"cross_entropy_loss_fusion"}  # GeLU
+    assert _on(_args("llama", "--bf16", "--no-bias-swiglu-fusion",
+                     "--no-cross-entropy-loss-fusion"), "cuda") == set()
     assert transformer_config(_args("llama", "--bf16")).bias_activation_fusion is False  # CPU
 
 
