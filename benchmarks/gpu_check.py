@@ -20,6 +20,11 @@ Sections, in this order (each one's failure is recorded and the next one runs):
                methods (snip, gnmr, stquant, gaussws, pgq); the snip row also gives its
                refresh step's peak memory over a normal step's (``benchmarks/snip_memory.py``,
                target <= 1.15x);
+* ``profile``  ``torch.profiler`` over ``--profile-steps`` steps at the TinyLlama-1.1B shape
+               (BF16 and per-tensor FP8 real): device time per kernel group (GEMM,
+               attention, norm, elementwise, quantize, optimizer, communication, other),
+               launches per step, host gaps, the dry run's GEMM estimate beside
+               (``benchmarks/gpu_profile.py``);
 * ``pytest``   ``pytest tests/unit`` with CUDA visible (xdist, ``--pytest-timeout`` seconds).
 
 It prints each result as it comes and writes ``<out>/gpu_check.json`` and
@@ -39,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SECTIONS = ("env", "main", "formats", "stquant", "gemm", "train", "syncs", "pytest")
+SECTIONS = ("env", "main", "formats", "stquant", "gemm", "train", "syncs", "profile", "pytest")
 GEMM_SHAPES = [(8192, 2048, 5632), (8192, 5632, 2048), (8192, 2048, 2048), (16384, 8192, 8192)]
 """(M, K, N) of ``(M, K) @ (K, N)``: TinyLlama-1.1B's fc1 / fc2 / proj at 8192 tokens, and a
 large square one."""
@@ -123,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--main-steps", type=int, default=50, help="steps of the main job")
     p.add_argument("--sync-configs", nargs="+", choices=list(SYNC_CONFIGS),
                    default=list(SYNC_CONFIGS), help="rows of the syncs section (default: all)")
+    p.add_argument("--profile-warmup", type=int, default=3,
+                   help="steps each profile row trains before the profiled ones")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps each profile row profiles (torch.profiler, CUDA kernels)")
     p.add_argument("--pytest-timeout", type=int, default=200,
                    help="seconds for pytest (killed after)")
     p.add_argument("--pytest-paths", nargs="+", default=["tests/unit"],
