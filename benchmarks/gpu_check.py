@@ -76,9 +76,10 @@ TRAIN_CONFIGS = {
 }
 """``--precision`` etc. per training row on :data:`TRAIN_SHAPE` (:func:`row_flags`: a flag
 the shape names takes the row's value; ``micro-batch 8 global 64`` is the batch TinyLlama
-trained with, 131,072 tokens a step in 8 micro-batches; the ``1 sequence`` rows halve the tokens a step: a
-step whose time stays is the host's, not the GPU's; the ``2 micro-batches`` rows, the same
-tokens in two micro-batches, with fprop's FP8 weights made once per step and in each);
+trained with, 131,072 tokens a step in 8 micro-batches; the ``1 sequence`` rows halve the
+tokens a step: a step whose time stays is the host's, not the GPU's; the ``2 micro-batches``
+rows, the same tokens in two micro-batches, with fprop's FP8 weights made once per step and
+in each);
 ``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` /
 ``{snip_plan}`` is the last plan the ``pgq`` / ``snip`` row wrote (run that row first): the
 method's overhead is its step time over its own plan's through ``--precision-plan``."""
