@@ -20,6 +20,11 @@ Sections, in this order (each one's failure is recorded and the next one runs):
                methods (snip, gnmr, stquant, gaussws, pgq); the snip row also gives its
                refresh step's peak memory over a normal step's (``benchmarks/snip_memory.py``,
                target <= 1.15x);
+* ``profile``  ``torch.profiler`` over ``--profile-steps`` steps at the TinyLlama-1.1B shape
+               (BF16 and per-tensor FP8 real): device time per kernel group (GEMM,
+               attention, norm, elementwise, quantize, optimizer, communication, other),
+               launches per step, host gaps, the dry run's GEMM estimate beside
+               (``benchmarks/gpu_profile.py``);
 * ``pytest``   ``pytest tests/unit`` with CUDA visible (xdist, ``--pytest-timeout`` seconds).
 
 It prints each result as it comes and writes ``<out>/gpu_check.json`` and
@@ -39,12 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SECTIONS = ("env", "main", "formats", "stquant", "gemm", "train", "syncs", "pytest")
+SECTIONS = ("env", "main", "formats", "stquant", "gemm", "train", "syncs", "profile", "pytest")
 GEMM_SHAPES = [(8192, 2048, 5632), (8192, 5632, 2048), (8192, 2048, 2048), (16384, 8192, 8192)]
 """(M, K, N) of ``(M, K) @ (K, N)``: TinyLlama-1.1B's fc1 / fc2 / proj at 8192 tokens, and a
 large square one."""
 TRAIN_CONFIGS = {
     "bf16": [],
+    "bf16 micro-batch 8 global 64": ["--micro-batch-size", "8", "--global-batch-size", "64"],
     "uniform:fp8 real": ["--precision", "uniform:fp8", "--fp8-execution", "real"],
     "uniform:fp8 emulated": ["--precision", "uniform:fp8", "--fp8-execution", "emulated"],
     "fp8 per-tensor real": ["--precision-plan", "{fp8_tensor_plan}", "--fp8-execution", "real"],
@@ -69,9 +75,11 @@ TRAIN_CONFIGS = {
         "--no-cache-quantized-weights"],
 }
 """``--precision`` etc. per training row on :data:`TRAIN_SHAPE` (:func:`row_flags`: a flag
-the shape names takes the row's value; the ``1 sequence`` rows halve the tokens a step: a
-step whose time stays is the host's, not the GPU's; the ``2 micro-batches`` rows, the same
-tokens in two micro-batches, with fprop's FP8 weights made once per step and in each);
+the shape names takes the row's value; ``micro-batch 8 global 64`` is the batch TinyLlama
+trained with, 131,072 tokens a step in 8 micro-batches; the ``1 sequence`` rows halve the
+tokens a step: a step whose time stays is the host's, not the GPU's; the ``2 micro-batches``
+rows, the same tokens in two micro-batches, with fprop's FP8 weights made once per step and
+in each);
 ``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` /
 ``{snip_plan}`` is the last plan the ``pgq`` / ``snip`` row wrote (run that row first): the
 method's overhead is its step time over its own plan's through ``--precision-plan``."""
@@ -121,6 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--main-steps", type=int, default=50, help="steps of the main job")
     p.add_argument("--sync-configs", nargs="+", choices=list(SYNC_CONFIGS),
                    default=list(SYNC_CONFIGS), help="rows of the syncs section (default: all)")
+    p.add_argument("--profile-warmup", type=int, default=3,
+                   help="steps each profile row trains before the profiled ones")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps each profile row profiles (torch.profiler, CUDA kernels)")
     p.add_argument("--pytest-timeout", type=int, default=200,
                    help="seconds for pytest (killed after)")
     p.add_argument("--pytest-paths", nargs="+", default=["tests/unit"],

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import gpu_profile
+from benchmarks.gpu_profile import profile  # noqa: F401  (the section, by name)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -168,9 +171,8 @@ def gemm(args, out) -> dict:
     return {"rows": rows, "support": support, "trials": trials}
 
 
-def train(args, out) -> dict:
-    """Tokens/s and peak memory of each training row at the TinyLlama-1.1B shape."""
-    from benchmarks.gpu_check import TRAIN_CONFIGS, row_flags
+def fp8_tensor_plan(out: Path) -> Path:
+    """``<out>/fp8_tensor_plan.json``: every site of the 22 layers in per-tensor E4M3."""
     from megatron_ext.precision.plan import PrecisionPlan, save_plan
     from megatron_ext.precision.site_formats import SiteFormats
     from megatron_ext.sites import all_site_ids
@@ -179,6 +181,14 @@ def train(args, out) -> dict:
     per_tensor = SiteFormats("fp8_e4m3", "fp8_e4m3", "fp8_e4m3")
     save_plan(PrecisionPlan({s: per_tensor for s in all_site_ids(22)}, method="fp8-tensor"),
               str(plan_file))
+    return plan_file
+
+
+def train(args, out) -> dict:
+    """Tokens/s and peak memory of each training row at the TinyLlama-1.1B shape."""
+    from benchmarks.gpu_check import TRAIN_CONFIGS, row_flags
+
+    plan_file = fp8_tensor_plan(out)
     plans = {f"{m}_plan": out / f"train_{m}" / "precision_plan.json" for m in ("pgq", "snip")}
     rows = []
     for name in args.train_configs:
@@ -358,6 +368,7 @@ def markdown(results: dict) -> str:
         lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
         lines += [f"error in {r.get('config', r)}: {r['error'][-300:]}" for r in rows
                   if r.get("error")] + [""]
+    lines += gpu_profile.markdown(results.get("profile", {}))
     for section in ("main", "pytest"):
         lines += [f"### {section}", "", "```",
                   json.dumps({k: v for k, v in results.get(section, {}).items()

@@ -73,6 +73,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    "layers), local = megatron-core's unfused DotProductAttention, flash / "
                    "fused / unfused = Transformer Engine's (TE layers); auto = sdpa in local "
                    "layers, TE's own choice in TE layers (docs/attention.md)")
+    g.add_argument("--bias-swiglu-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="SwiGLU as megatron-core's fused function, compiled by torch.compile "
+                   "(CUDA only: CPU runs stay unfused); default on (docs/performance.md)")
+    g.add_argument("--cross-entropy-loss-fusion", action=argparse.BooleanOptionalAction,
+                   default=True, help="megatron-core's native fused cross-entropy, compiled by "
+                   "torch.compile (CUDA and --bf16 only); default on (docs/performance.md)")
     g.add_argument("--hidden-dropout", type=finite_float, default=0.0,
                    help="dropout after attention and MLP, in [0, 1)")
     g.add_argument("--attention-dropout", type=finite_float, default=0.0,

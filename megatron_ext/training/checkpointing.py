@@ -45,6 +45,7 @@ from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_opt
                                                    matching_local_shards)
 from megatron_ext.training.init import sharded_tensors
 from megatron_ext.training.loop import TrainState
+from megatron_ext.training.fused_optimizer import use_adam_kernel
 from megatron_ext.training.optimizer import allocate_adam_state, restore_adam_step
 from megatron_ext.training.schedule_resume import group_schedule, restore, saved_state
 
@@ -204,6 +205,7 @@ class Checkpointer:
         flag_groups = group_schedule(self.optimizer)  # before the checkpoint's replace them
         load_optimizer_state(self.optimizer, loaded["optimizer"])
         restore_adam_step(self.optimizer)
+        use_adam_kernel(self.optimizer)  # the loaded groups carry the saving run's flags
         # UsageError on a mismatch
         schedule = restore(self.scheduler, common["scheduler"], flag_groups)
         if dist.get_rank() == 0:

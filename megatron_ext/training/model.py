@@ -10,6 +10,7 @@ without touching megatron-core.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -100,8 +101,47 @@ def activation_func(args: argparse.Namespace) -> Callable[[torch.Tensor], torch.
     return openai_gelu if args.openai_gelu else F.gelu
 
 
+@dataclass(frozen=True)
+class Fusions:
+    """megatron-core's fusion switches (``TransformerConfig`` fields of the same names) that
+    run on torch alone: what each needs and why it is on or off is in docs/performance.md."""
+
+    bias_activation_fusion: bool
+    """SwiGLU as megatron's ``bias_swiglu_impl``, forward and backward compiled by
+    ``torch.compile`` (one kernel each, only the fc1 output kept for backward). On CUDA with
+    SwiGLU; off on CPU, where inductor's C++ compile of it takes minutes, and for GeLU
+    (megatron's fused GeLU is the tanh approximation and needs a bias)."""
+    cross_entropy_loss_fusion: bool
+    """megatron's native fused vocab-parallel cross-entropy (pieces compiled by torch).
+    On CUDA in BF16 runs (its logits gradient is BF16); off on CPU (compile time)."""
+    cross_entropy_fusion_impl: str = "native"
+    """``native`` (torch.compile); ``te`` needs Transformer Engine."""
+    bias_dropout_fusion: bool = False
+    """Off: without a bias and with dropout 0 (the presets) the unfused form is already one
+    add; the compiled dropout would draw from inductor's RNG, not torch's."""
+    masked_softmax_fusion: bool = False
+    """Off: needs Apex's softmax kernels, and SDPA (the default) has no separate softmax."""
+    apply_rope_fusion: bool = False
+    """Off: megatron-core's fused RoPE is Transformer Engine's."""
+    gradient_accumulation_fusion: bool = False
+    """Off: needs Apex's ``fused_weight_gradient_mlp_cuda``."""
+    persist_layer_norm: bool = False
+    """Off: Apex's persistent LayerNorm (the norms here are torch's)."""
+
+
+def fusions(args: argparse.Namespace, device_type: str) -> Fusions:
+    """The fusions a run with parameters on ``device_type`` (``cuda``, ``cpu``) turns on:
+    those its flags allow (``--[no-]bias-swiglu-fusion``, ``--[no-]cross-entropy-loss-fusion``)
+    where they run."""
+    cuda = device_type == "cuda"
+    return Fusions(
+        bias_activation_fusion=cuda and bool(args.swiglu) and args.bias_swiglu_fusion,
+        cross_entropy_loss_fusion=cuda and bool(args.bf16) and args.cross_entropy_loss_fusion)
+
+
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -123,12 +163,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bool(args.bf16),
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **asdict(fusions(args, device_type)),
         use_cpu_initialization=not torch.cuda.is_available(),
         # gloo matches batched sends/recvs to one peer by order: with PP=2 (next == prev) the
         # interleaved schedule would swap activations and gradients. Unbatched p2p keeps the

@@ -16,6 +16,13 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ext.training.fused_optimizer import (
+    step_tensor,
+    torch_adams,
+    use_adam_kernel,
+    use_foreach_grad_norm,
+)
+
 
 def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> list:
     """megatron-core DistributedDataParallel around each chunk (grads reduced in FP32), or
@@ -38,6 +45,8 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks) -> lis
 
 
 def build_optimizer(args: argparse.Namespace, model: list):
+    """megatron-core's optimizer (AdamW, megatron's clip) with torch's fused AdamW on CUDA,
+    its foreach AdamW elsewhere, and a foreach gradient norm (``fused_optimizer.py``)."""
     config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -52,7 +61,10 @@ def build_optimizer(args: argparse.Namespace, model: list):
         # FSDP2's shards go to the ordinary optimizer; Megatron-FSDP needs the distributed one
         use_distributed_optimizer=args.use_distributed_optimizer or args.use_megatron_fsdp,
     )
-    return get_megatron_optimizer(config, model)
+    use_foreach_grad_norm()
+    optimizer = get_megatron_optimizer(config, model)
+    use_adam_kernel(optimizer)
+    return optimizer
 
 
 def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
@@ -136,10 +148,8 @@ def _torch_adams_in_distributed_optimizers(optimizer):
     """The inner torch Adam / AdamW of each megatron ``DistributedOptimizer`` in ``optimizer``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if (isinstance(opt, DistributedOptimizer)
-                and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))):
-            yield inner
+        if isinstance(opt, DistributedOptimizer):
+            yield from torch_adams(opt)
 
 
 def allocate_adam_state(optimizer) -> None:
@@ -152,7 +162,7 @@ def allocate_adam_state(optimizer) -> None:
         for group in inner.param_groups:
             for param in group["params"]:
                 if not inner.state[param]:
-                    inner.state[param] = {"step": torch.tensor(0.0),
+                    inner.state[param] = {"step": step_tensor(group, param, 0),
                                           "exp_avg": torch.zeros_like(param),
                                           "exp_avg_sq": torch.zeros_like(param)}
 
@@ -166,4 +176,4 @@ def restore_adam_step(optimizer) -> None:
         for group in inner.param_groups:
             if "step" in group:
                 for param in group["params"]:
-                    inner.state[param]["step"] = torch.tensor(float(group["step"]))
+                    inner.state[param]["step"] = step_tensor(group, param, group["step"])

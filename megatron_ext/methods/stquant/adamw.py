@@ -76,6 +76,8 @@ class QuantizedAdamW(torch.optim.Optimizer):
         new = cls([{"params": []}], slots, widths, block, cpu_kernel=cpu_kernel)
         new.defaults = dict(inner.defaults)
         new.param_groups = inner.param_groups
+        for group in new.param_groups:  # its steps live on the host: never torch's fused kernel
+            group["fused"] = None
         return new
 
     def _slot(self, p: torch.Tensor) -> Slot | None:

@@ -146,6 +146,20 @@ def test_replacing_keeps_the_group_dicts():
     assert new.param_groups is inner.param_groups and new.defaults["betas"] == (0.9, 0.95)
 
 
+def test_replacing_a_fused_adamw_steps_as_the_unfused_one():
+    """On CUDA the trainer's AdamW is torch's fused one; STQuant keeps its step counters on
+    the host, which the fused kernel cannot take: its float32 tensors step with torch's
+    other kernels (on a CPU, where the fused kernel runs too, it would differ by an ulp)."""
+    def over_fused(params):
+        inner = torch.optim.AdamW(params, fused=True, **HYPER)
+        return QuantizedAdamW.replacing(inner, {}, lambda: [], block=64)
+
+    ref, ref_losses = trajectory(lambda p: torch.optim.AdamW(p, **HYPER))
+    got, losses = trajectory(over_fused)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 @pytest.mark.parametrize("old,new", [(4, 4), (8, 16), (32, 8), (16, 32)])
 def test_batched_torch_path_equals_each_parameter_alone(old, new):
     """Parameters stepped together (joined blocks) == each stepped alone, bit for bit."""
