@@ -1,4 +1,8 @@
-"""megatron-core on CPU: the one deliberate patch of this project.
+"""megatron-core on CPU: the one deliberate patch of this project for running on CPU.
+
+(The other replacement of megatron-core internals is not about the device: megatron's own
+local gradient-norm and clip fallbacks are swapped for foreach drop-ins by
+``training/fused_optimizer.py:use_foreach_grad_norm``.)
 
 megatron-core assumes CUDA in a handful of places that have nothing to do with the maths of
 training. When CUDA is absent, :func:`activate` patches exactly those places so the *same*
