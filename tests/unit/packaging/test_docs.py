@@ -56,8 +56,8 @@ def test_the_readme_first_screen_has_no_commit_hash():
 
 
 def test_the_commit_pattern_finds_a_hash_and_spares_numbers():
-    assert COMMIT.findall("at 49fcc4f, 1,787,008 parameters, 4aa4122e and 20260127") == \
-        ["49fcc4f", "4aa4122e"]
+    found = COMMIT.findall("at 49fcc4f, 1,787,008 parameters, 4aa4122e and 20260127")
+    assert found == ["49fcc4f", "4aa4122e"]
 
 
 def test_docs_carry_no_session_narrative():
