@@ -47,6 +47,7 @@ from megatron_ext.methods.pgq.plots import PLOTS
 from megatron_ext.methods.pgq.profile import load_profile
 from megatron_ext.methods.pgq.recipe import make_recipe
 from megatron_ext.methods.pgq.report import summary, write_recipe
+from megatron_ext.precision import device_profile
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.plan import PrecisionPlan
@@ -74,7 +75,12 @@ def saved_recipe(args):
     if other:
         raise ValueError(f"'{args.pgq_profile}' profiles another model ({', '.join(other)} "
                          "differ)")
-    return make_recipe(profile, recipe_config(args))
+    return make_recipe(profile, recipe_config(args), _device(args))
+
+
+def _device(args):
+    """The run's device profile (``--device-profile``), for the recipe's estimated time."""
+    return device_profile.resolve(getattr(args, "device_profile", None))
 
 
 def pgq_plan(args: argparse.Namespace, arg: str | None) -> PrecisionPlan:
@@ -143,7 +149,7 @@ class PgqRun:
         start, self._batch_s = time.perf_counter(), []
         profile = collect_profile(args, run, state, args.pgq_profile_steps, self.candidates,
                                   self._batch_s)
-        recipe = make_recipe(profile, recipe_config(args))
+        recipe = make_recipe(profile, recipe_config(args), _device(args))
         payload = [None]
         if dist.get_rank() == 0:
             out = os.path.join(args.run_dir, POLICY)
