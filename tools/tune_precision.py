@@ -295,8 +295,9 @@ def _run(argv: list[str]) -> None:
 
     from megatron_ext.precision.device_profile import resolve
 
+    named = resolve(args.device_profile) if args.device_profile else None  # bad: exit 2 now
     refresh = offline.load_refresh(args.stats, args.args)
-    profile = resolve(args.device_profile or refresh.run_args.get("device_profile"))
+    profile = named or resolve(refresh.run_args.get("device_profile"))
     planning = offline.plan_problem(refresh, args.policy, cli_args.layout_of(args), profile)
     config = cli_args.solver_config(args, refresh.run_args)
     mode = cli_args.stage_balance_of(args, refresh.run_args)
