@@ -229,7 +229,9 @@ def train(args, out) -> dict:
     for row in rows:
         if base and "tokens/s" in row:
             row["x bf16"] = round(row["tokens/s"] / base, 2)
-    return {"rows": rows}
+    from benchmarks.step_estimates import compare
+
+    return {"rows": rows, "step_estimates": compare(out, rows)}
 
 
 def _profile_cost(run_dir: Path, records: list, timed: list) -> dict:
