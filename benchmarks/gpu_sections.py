@@ -171,7 +171,7 @@ def gemm(args, out) -> dict:
         measured.append(times)
     trials = {" x ".join(map(str, key)): seen for key, seen in real_gemm.TRIALS.items()}
     return {"rows": rows, "support": support, "trials": trials,
-            "device_profile": _write_profile(measured, out)}
+            "device_profile": write_profile(measured, out, torch.cuda.get_device_name())}
 
 
 EMULATED_PAIRS = (("fp8_e4m3@tile128", "fp8_e4m3@block128"), ("mxfp4", "mxfp4"),
@@ -179,12 +179,11 @@ EMULATED_PAIRS = (("fp8_e4m3@tile128", "fp8_e4m3@block128"), ("mxfp4", "mxfp4"),
 """Operand formats of the fake-quantized GEMMs the gemm section times."""
 
 
-def _write_profile(measured: list[dict], out) -> str:
-    """Write the measured device profile (``--device-profile FILE`` reads it) and the table
-    it comes from beside it; returns the profile's path."""
+def write_profile(measured: list[dict], out, name: str) -> str:
+    """Write the device profile ``measured`` gives on the card ``name`` (``--device-profile
+    FILE`` reads it) and the table beside it; returns the profile's path."""
     from megatron_ext.precision.measured_profile import measurement_base, profile_from_gemm
 
-    name = torch.cuda.get_device_name()
     profile = profile_from_gemm(measured, measurement_base(name), name)
     (out / "gemm_measured.json").write_text(json.dumps(measured, indent=1))
     path = out / "device_profile.json"

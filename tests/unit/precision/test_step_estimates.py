@@ -63,3 +63,23 @@ def test_missing_inputs_are_one_line(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and \
         proc.stderr.count("\n") == 1
+
+
+def test_gpu_check_writes_the_profile_its_gemm_table_gives(tmp_path):
+    """The gemm section's writer on a fabricated table (no GPU needed): the file
+    ``--device-profile`` reads is profile_from_gemm's profile, the table beside it."""
+    from benchmarks.gpu_sections import write_profile
+    from megatron_ext.precision.device_profile import resolve
+    from megatron_ext.precision.measured_profile import measurement_base, profile_from_gemm
+
+    bf16 = 2.0 * 4096 * 2048 * 2048 / 600e12
+    table = [{"m": 4096, "k": 2048, "n": 2048, "bf16_s": bf16,
+              "native": [{"a": "fp8_e4m3", "b": "fp8_e4m3", "gemm_s": bf16 / 1.5,
+                          "total_s": bf16}],
+              "emulated": [{"a": "nvfp4", "b": "nvfp4", "total_s": 1.5 * bf16}]}]
+    path = write_profile(table, tmp_path, "NVIDIA H200")
+    profile = resolve(path)
+    assert profile == profile_from_gemm(table, measurement_base("NVIDIA H200"), "NVIDIA H200")
+    assert profile.rate("fp8_e4m3") == pytest.approx(1.5) and profile.rate("nvfp4") is None
+    assert profile.bytes_per_s == PROFILES["h200"].bytes_per_s
+    assert json.loads((tmp_path / "gemm_measured.json").read_text()) == table
