@@ -14,7 +14,6 @@ gpu_check.json). Bad input: one ``error:`` line, exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
