@@ -8,8 +8,11 @@ profile (default ``GPU_CHECK_DIR/device_profile.json``, which ``--sections gemm`
 The profile is calibrated on the ``bf16`` row (its non-GEMM time, docs/cost_model.md); every
 row's estimate is then ``gemm + quantize + fixed + other`` for its plan and its tokens, and
 ``est / measured`` is printed with the ±15 % target for BF16, per-tensor FP8, SNIP's plan and
-PGQ's recipe. ``gpu_check``'s train section runs it after its rows (``step_estimates`` in
-gpu_check.json). Bad input: one ``error:`` line, exit status 2.
+PGQ's recipe. The calibrated profile is written to
+``GPU_CHECK_DIR/device_profile_calibrated.json`` (``--device-profile`` reads it: the dry run's
+and SNIP's stage times then carry the measured non-GEMM time). ``gpu_check``'s train section
+runs it after its rows (``step_estimates`` in gpu_check.json). Bad input: one ``error:`` line,
+exit status 2.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def compare(out: Path, rows: list[dict], profile_file: str | None = None) -> dic
                       "est / measured": round(ratio, 2),
                       "within 15%": abs(ratio - 1) <= TOLERANCE if config in TARGET_ROWS
                       else None})
-    return {"profile": profile.name, "source": profile.source,
+    calibrated = out / "device_profile_calibrated.json"
+    calibrated.write_text(profile.to_json())
+    return {"profile": profile.name, "source": profile.source, "file": str(calibrated),
             "nongemm_s_per_token_layer": profile.nongemm_s_per_token_layer, "rows": table}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.step_estimates import compare, run_dir
 from megatron_ext.precision.cost import ModelShape
-from megatron_ext.precision.device_profile import PROFILES
+from megatron_ext.precision.device_profile import PROFILES, resolve
 from megatron_ext.precision.plan import PrecisionPlan, save_plan
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.precision.step_estimate import calibrate, step_estimate
@@ -54,6 +54,7 @@ def test_each_row_is_estimated_on_the_calibrated_profile(tmp_path):
     assert by["fp8 per-tensor real"]["within 15%"] == (abs(fp8.total_s / 11e-3 - 1) <= 0.15)
     assert by["gaussws"]["within 15%"] is None and by["gaussws"]["estimated ms"] == 12.0
     assert result["nongemm_s_per_token_layer"] == profile.nongemm_s_per_token_layer
+    assert resolve(result["file"]) == profile
 
 
 def test_missing_inputs_are_one_line(tmp_path):
@@ -69,7 +70,6 @@ def test_gpu_check_writes_the_profile_its_gemm_table_gives(tmp_path):
     """The gemm section's writer on a fabricated table (no GPU needed): the file
     ``--device-profile`` reads is profile_from_gemm's profile, the table beside it."""
     from benchmarks.gpu_sections import write_profile
-    from megatron_ext.precision.device_profile import resolve
     from megatron_ext.precision.measured_profile import measurement_base, profile_from_gemm
 
     bf16 = 2.0 * 4096 * 2048 * 2048 / 600e12
