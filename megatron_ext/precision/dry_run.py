@@ -30,7 +30,7 @@ import torch
 from megatron_ext.extension import DryRunPart, StageTimes
 from megatron_ext.precision.controller import PlanController, compose
 from megatron_ext.precision.cost import ModelShape, flop_report, stage_seconds
-from megatron_ext.precision.device_profile import resolve
+from megatron_ext.precision import device_profile
 from megatron_ext.precision.kept import kept_bytes, site_geometry
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.site_formats import SiteFormats, resolve
@@ -85,7 +85,7 @@ def estimate(controller: PlanController, args, context) -> DryRunPart:
     formats_of = plan.formats if plan is not None else (lambda sid: SiteFormats())
     stage_of = context.layer_stages
     step = dataclasses.replace(shape, tokens=args.global_batch_size * args.seq_length)
-    profile = resolve(getattr(args, "device_profile", None))
+    profile = device_profile.resolve(getattr(args, "device_profile", None))
     flops = flop_report(formats_of, step, stage_of)
     seconds = [t / context.layout.tp for t in
                stage_seconds(formats_of, shape, context.bf16_flops_per_s, stage_of, profile)]
