@@ -13,8 +13,10 @@ Sections, in this order (each one's failure is recorded and the next one runs):
 * ``stquant``  STQuant's fused Triton step against torch's AdamW at TinyLlama's widths x 8
                layers (``benchmarks/stquant_step.py``; target <= 1.5x) and against the CPU path;
 * ``gemm``     real FP8 GEMMs (``torch._scaled_mm``: per tensor, per row, 1x128 x 128x128
-               blocks) and the emulated one against a BF16 matmul at TinyLlama-1.1B's GEMM
-               shapes, with and without quantizing the operands;
+               blocks) and the emulated ones (FP8 blocks, MXFP4, NVFP4) against a BF16 matmul
+               at TinyLlama-1.1B's GEMM shapes, with and without quantizing the operands;
+               writes the measured device profile ``<out>/device_profile.json``
+               (``--device-profile FILE``; docs/cost_model.md);
 * ``train``    tokens/s and peak memory at the TinyLlama-1.1B shape (22 layers, seq 2048,
                micro-batch 2, mock data) for BF16, uniform:fp8 real and emulated, and the
                methods (snip, gnmr, stquant, gaussws, pgq); the snip row also gives its

@@ -146,7 +146,7 @@ def gemm(args, out) -> dict:
                "per-row": ("fp8_e4m3@row", "fp8_e4m3@row"),
                "blockwise 1x128 x 128x128": ("fp8_e4m3@tile128", "fp8_e4m3@block128"),
                "blockwise 1x128 x 1x128": ("fp8_e4m3@tile128", "fp8_e4m3@tile128")}
-    rows, support = [], {}
+    rows, support, measured = [], {}, []
     for name, (fa, fb) in recipes.items():
         support[name] = real_gemm.supported(fa, fb, torch.bfloat16, torch.device("cuda"))
     for m, k, n in GEMM_SHAPES:
@@ -154,6 +154,7 @@ def gemm(args, out) -> dict:
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         bf16 = _time(lambda: a @ b.t())
         row = {"shape": f"{m}x{k}x{n}", "bf16 TFLOP/s": round(2 * m * k * n / bf16 / 1e12)}
+        times = {"m": m, "k": k, "n": n, "bf16_s": bf16, "native": [], "emulated": []}
         for name, (fa, fb) in recipes.items():
             if support[name] is None:
                 row[name] = "unsupported"
@@ -163,12 +164,34 @@ def gemm(args, out) -> dict:
             alone = _time(lambda: real_gemm.scaled_mm(qa, qb, torch.bfloat16))
             whole = _time(lambda: real_gemm.fp8_gemm(a, fa_, b, fb_))
             row[name] = f"{bf16 / alone:.2f}x ({bf16 / whole:.2f}x with quantization)"
-        fq_a, fq_b = get_format("fp8_e4m3@tile128"), get_format("fp8_e4m3@block128")
-        emulated = _time(lambda: fake_quant(a, fq_a) @ fake_quant(b, fq_b).t())
-        row["emulated 1x128 x 128x128"] = f"{bf16 / emulated:.2f}x"
+            times["native"].append({"a": fa, "b": fb, "gemm_s": alone, "total_s": whole})
+        for fa, fb in EMULATED_PAIRS:
+            fq_a, fq_b = get_format(fa), get_format(fb)
+            emulated = _time(lambda: fake_quant(a, fq_a) @ fake_quant(b, fq_b).t())
+            row[f"emulated {fa} x {fb}"] = f"{bf16 / emulated:.2f}x"
+            times["emulated"].append({"a": fa, "b": fb, "total_s": emulated})
         rows.append(row)
+        measured.append(times)
     trials = {" x ".join(map(str, key)): seen for key, seen in real_gemm.TRIALS.items()}
-    return {"rows": rows, "support": support, "trials": trials}
+    return {"rows": rows, "support": support, "trials": trials,
+            "device_profile": write_profile(measured, out, torch.cuda.get_device_name())}
+
+
+EMULATED_PAIRS = (("fp8_e4m3@tile128", "fp8_e4m3@block128"), ("mxfp4", "mxfp4"),
+                  ("nvfp4", "nvfp4"))
+"""Operand formats of the fake-quantized GEMMs the gemm section times."""
+
+
+def write_profile(measured: list[dict], out, name: str) -> str:
+    """Write the device profile ``measured`` gives on the card ``name`` (``--device-profile
+    FILE`` reads it) and the table beside it; returns the profile's path."""
+    from megatron_ext.precision.measured_profile import measurement_base, profile_from_gemm
+
+    profile = profile_from_gemm(measured, measurement_base(name), name)
+    (out / "gemm_measured.json").write_text(json.dumps(measured, indent=1))
+    path = out / "device_profile.json"
+    path.write_text(profile.to_json())
+    return str(path)
 
 
 def fp8_tensor_plan(out: Path) -> Path:
@@ -215,7 +238,9 @@ def train(args, out) -> dict:
     for row in rows:
         if base and "tokens/s" in row:
             row["x bf16"] = round(row["tokens/s"] / base, 2)
-    return {"rows": rows}
+    from benchmarks.step_estimates import compare
+
+    return {"rows": rows, "step_estimates": compare(out, rows)}
 
 
 def _profile_cost(run_dir: Path, records: list, timed: list) -> dict:

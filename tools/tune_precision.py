@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "largest budget; 'stages' when only --stage-budgets)")
     p.add_argument("--explain-json", metavar="PATH",
                    help="also write the explanation as JSON (implies --explain's analysis)")
+    p.add_argument("--device-profile", metavar="NAME|FILE",
+                   help="device the estimated times and time-mode plans are for: a built-in "
+                        "(auto, nominal, cpu, h100, h200, b200) or a device profile JSON "
+                        "(default: the run's --device-profile from its args.json, else auto). "
+                        "On h100 / h200 FP4, INT8 and the MX formats are emulated "
+                        "(quantize + BF16 GEMM); b200 runs FP8, MXFP8, MXFP4 and NVFP4 "
+                        "natively (docs/cost_model.md)")
     cli_args.add_solver_arguments(p)
     cli_args.add_stats_arguments(p)
     return p
@@ -178,7 +185,8 @@ def _print_source(planning, mode: str) -> None:
     print(f"statistics: step {r.step} of {r.stats_path}; policy {planning.policy}; "
           f"{shape.num_layers} layers on {shape.pipeline_stages} stage(s) "
           f"({'/'.join(map(str, counts))} layers); {len(planning.problem.sites)} sites x "
-          f"{len(planning.options)} options; stage balance {mode}")
+          f"{len(planning.options)} options; stage balance {mode}; device profile "
+          f"{planning.problem.meta['device_profile']}")
 
 
 def _print_pareto(table: dict, files: dict[str, str]) -> None:
@@ -285,8 +293,12 @@ def _run(argv: list[str]) -> None:
     _check_flags(args)
     from megatron_ext.methods.snip import offline, tune
 
+    from megatron_ext.precision.device_profile import resolve
+
+    named = resolve(args.device_profile) if args.device_profile else None  # bad: exit 2 now
     refresh = offline.load_refresh(args.stats, args.args)
-    planning = offline.plan_problem(refresh, args.policy, cli_args.layout_of(args))
+    profile = named or resolve(refresh.run_args.get("device_profile"))
+    planning = offline.plan_problem(refresh, args.policy, cli_args.layout_of(args), profile)
     config = cli_args.solver_config(args, refresh.run_args)
     mode = cli_args.stage_balance_of(args, refresh.run_args)
     microbatches = args.num_microbatches or tune.default_microbatches(planning.args)

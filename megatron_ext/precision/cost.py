@@ -10,13 +10,19 @@ format's rate), so its class is that of the wider operand, by element bits:
 * ``fp8``: 5 to 8 bits (E4M3, E5M2, the FP6 formats, INT8 — Blackwell runs FP6 at FP8 rate);
 * ``bf16``: everything wider, and passthrough (the run's own BF16/FP32).
 
-**Times.** FP4 is 2x FP8 and FP8 2x BF16 throughput: at a BF16 rate ``R`` a GEMM of class
-``c`` takes ``2·T·N·K / (R · speed(c))`` seconds, so the GEMM time relative to all-BF16 is
-``bf16 + fp8/2 + fp4/4`` (fractions of FLOPs). What no plan changes is a stage's **fixed
-time**, in BF16: the attention core of each of its layers, ``6·T·s·h`` (QKᵀ and PV, ``2·T·s·h``
+**Times** come from a :class:`~megatron_ext.precision.device_profile.DeviceProfile`: a GEMM
+whose two operands are native on the device runs at the slower one's rate plus the
+quantization of its operands; any other quantized GEMM is emulated, its operands quantized and
+dequantized, then a BF16 GEMM (never faster than BF16; docs/cost_model.md). The default
+profile, ``nominal``, is the SNIP paper's model: FP4 2x FP8 and FP8 2x BF16 throughput, free
+quantization, so at a BF16 rate ``R`` a GEMM of class ``c`` takes ``2·T·N·K / (R · speed(c))``
+seconds and the GEMM time relative to all-BF16 is ``bf16 + fp8/2 + fp4/4`` (fractions of
+FLOPs). FLOP fractions (SNIP's efficiency metric) never depend on the profile. What no plan
+changes is a stage's **fixed time**, in BF16: the attention core of each of its layers, ``6·T·s·h`` (QKᵀ and PV, ``2·T·s·h``
 each forward, the causal half of that, forward + backward = 3 x forward; ``s`` the sequence
 length, ``h`` the width), plus on the last stage the output layer, ``6·T·v·h`` (``v`` the
-padded vocabulary). SNIP's efficiency metric is the ``fp4`` fraction; its ILP weighs option
+padded vocabulary), plus the profile's measured non-GEMM time per token and layer (0 unless
+measured, :func:`calibrate`). SNIP's efficiency metric is the ``fp4`` fraction; its ILP weighs option
 times against the fixed times; the dry run adds them up per stage.
 
 **Roofline.** Lower precision only speeds up a GEMM whose time is set by its arithmetic, not by
@@ -36,9 +42,11 @@ micro-batch's (the dry run's per-micro-batch times).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_ext.formats import get_format
+from megatron_ext.precision.device_profile import PROFILES, DeviceProfile, quantized
 from megatron_ext.sites import GEMM_ROLES, SITES, site_id
 from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 
@@ -46,7 +54,7 @@ CLASSES = ("fp4", "fp8", "bf16")
 """Precision classes of a GEMM, fastest first."""
 
 SPEED = {"fp4": 4.0, "fp8": 2.0, "bf16": 1.0}
-"""Throughput of each class relative to BF16."""
+"""Throughput of each class relative to BF16 in the ``nominal`` profile (the paper's)."""
 
 BF16_FLOPS_PER_S = 989e12
 """Default BF16 rate ``R``: the dense BF16 tensor-core peak of an H100 SXM."""
@@ -175,7 +183,10 @@ class SiteCost:
     classes: tuple[str, ...]
     """Precision class of each GEMM, in ``GEMM_ROLES`` order."""
     seconds: float
-    """Time of the three at the rate the cost was asked for: Σ 2·T·N·K / (R · speed)."""
+    """Time of the three on the device profile asked for: GEMMs plus the quantization of
+    their operands (:mod:`~megatron_ext.precision.device_profile`)."""
+    quantize_seconds: float = 0.0
+    """The part of :attr:`seconds` spent quantizing operands."""
 
     @property
     def flops(self) -> float:
@@ -188,53 +199,88 @@ class SiteCost:
         return self.classes.count("fp4") * self.gemm_flops
 
 
+def device(profile: DeviceProfile | None = None,
+           bf16_flops_per_s: float | None = None) -> DeviceProfile:
+    """``profile`` (default ``nominal``) with its BF16 rate replaced when one is given."""
+    profile = profile or PROFILES["nominal"]
+    if bf16_flops_per_s is None:
+        return profile
+    return dataclasses.replace(profile, bf16_flops_per_s=bf16_flops_per_s)
+
+
+def gemm_seconds(profile: DeviceProfile, flops: float, a: str, b: str, elements: tuple[int, int]
+                 ) -> tuple[float, float]:
+    """(total, quantization) seconds of one GEMM of ``flops`` reading operand formats ``a``
+    and ``b`` of ``elements`` elements each, on ``profile`` (module docstring)."""
+    rates = (profile.rate(a), profile.rate(b))
+    grid = [(n, name) for n, name in zip(elements, (a, b)) if quantized(name)]
+    if not grid:
+        return flops / profile.bf16_flops_per_s, 0.0
+    if None not in rates:
+        quant = sum(n for n, _ in grid) * profile.quantize_s_per_element
+        return flops / (profile.bf16_flops_per_s * min(rates)) + quant, quant
+    quant = sum(n for n, _ in grid) * profile.emulate_s_per_element
+    return flops / profile.bf16_flops_per_s + quant, quant
+
+
 def site_cost(shape: ModelShape, site: str, formats: SiteFormats,
-              bf16_flops_per_s: float = BF16_FLOPS_PER_S) -> SiteCost:
-    """FLOPs, classes and time of ``site``'s GEMMs with ``formats`` (module docstring)."""
+              bf16_flops_per_s: float | None = None,
+              profile: DeviceProfile | None = None) -> SiteCost:
+    """FLOPs, classes and time of ``site``'s GEMMs with ``formats`` on ``profile`` (default
+    ``nominal``; ``bf16_flops_per_s`` replaces its BF16 rate)."""
+    profile = device(profile, bf16_flops_per_s)
     n, k = shape.site_nk(site)
-    gemm = 2.0 * shape.tokens * n * k
-    classes, seconds = [], 0.0
+    t = shape.tokens
+    gemm = 2.0 * t * n * k
+    elements = {"x": t * k, "w": n * k, "dy": t * n}
+    classes, seconds, quant = [], 0.0, 0.0
     for name, (a, b) in GEMM_ROLES.items():
-        cls = gemm_class(formats.operand(name, a), formats.operand(name, b))
-        classes.append(cls)
-        seconds += gemm / (bf16_flops_per_s * SPEED[cls])
-    return SiteCost(gemm, tuple(classes), seconds)
+        fa, fb = formats.operand(name, a), formats.operand(name, b)
+        classes.append(gemm_class(fa, fb))
+        total, q = gemm_seconds(profile, gemm, fa, fb, (elements[a], elements[b]))
+        seconds, quant = seconds + total, quant + q
+    return SiteCost(gemm, tuple(classes), seconds, quant)
 
 
-def stage_fixed_seconds(shape: ModelShape, bf16_flops_per_s: float = BF16_FLOPS_PER_S,
-                        stage_of: list[int] | None = None) -> list[float]:
+def stage_fixed_seconds(shape: ModelShape, bf16_flops_per_s: float | None = None,
+                        stage_of: list[int] | None = None,
+                        profile: DeviceProfile | None = None) -> list[float]:
     """Per stage, the time no plan changes: ``6·T·s·h`` per layer (attention core) plus
-    ``6·T·v·h`` on the last stage (output layer), in BF16; ``stage_of`` as in
-    :func:`layer_stages`."""
-    flops = [0.0] * shape.pipeline_stages
+    ``6·T·v·h`` on the last stage (output layer), in BF16, plus the profile's non-GEMM time
+    of ``T`` tokens per layer; ``stage_of`` as in :func:`layer_stages`."""
+    profile = device(profile, bf16_flops_per_s)
+    flops, other = [0.0] * shape.pipeline_stages, [0.0] * shape.pipeline_stages
     for stage in layer_stages(shape, stage_of):
         flops[stage] += 3 * 2 * shape.tokens * shape.seq_length * shape.hidden_size
+        other[stage] += shape.tokens * profile.nongemm_s_per_token_layer
     flops[-1] += 3 * 2 * shape.tokens * shape.vocab_size * shape.hidden_size
-    return [f / bf16_flops_per_s for f in flops]
+    return [f / profile.bf16_flops_per_s + o for f, o in zip(flops, other)]
 
 
-def _site_costs(formats_of, shape: ModelShape, stage_of, bf16_flops_per_s: float):
+def _site_costs(formats_of, shape: ModelShape, stage_of, profile: DeviceProfile):
     """(stage, SiteCost) of every site of the model; ``formats_of(site_id) -> SiteFormats``."""
     for layer, stage in enumerate(layer_stages(shape, stage_of)):
         for site in SITES:
             yield stage, site_cost(shape, site, formats_of(site_id(layer, site)),
-                                   bf16_flops_per_s)
+                                   profile=profile)
 
 
-def stage_seconds(formats_of, shape: ModelShape, bf16_flops_per_s: float = BF16_FLOPS_PER_S,
-                  stage_of: list[int] | None = None) -> list[float]:
+def stage_seconds(formats_of, shape: ModelShape, bf16_flops_per_s: float | None = None,
+                  stage_of: list[int] | None = None,
+                  profile: DeviceProfile | None = None) -> list[float]:
     """Per stage: its sites' GEMM time under ``formats_of`` plus its fixed time, for
     ``shape.tokens`` tokens on one device running the whole stage (divide by TP)."""
+    profile = device(profile, bf16_flops_per_s)
     gemms = [0.0] * shape.pipeline_stages
-    for stage, cost in _site_costs(formats_of, shape, stage_of, bf16_flops_per_s):
+    for stage, cost in _site_costs(formats_of, shape, stage_of, profile):
         gemms[stage] += cost.seconds
-    fixed = stage_fixed_seconds(shape, bf16_flops_per_s, stage_of)
+    fixed = stage_fixed_seconds(shape, stage_of=stage_of, profile=profile)
     return [g + f for g, f in zip(gemms, fixed)]
 
 
 @dataclass(frozen=True)
 class FlopReport:
-    """Linear-layer FLOPs per step, split by precision class."""
+    """Linear-layer FLOPs per step, split by precision class, and their estimated time."""
 
     total: float
     """All linear-site GEMM FLOPs of a step (output layer and attention excluded)."""
@@ -244,11 +290,11 @@ class FlopReport:
     """Per pipeline stage: class -> fraction of that stage's FLOPs."""
     stage_flops: list[float]
     """Per pipeline stage: its linear-site FLOPs."""
-
-    @property
-    def time_vs_bf16(self) -> float:
-        """Estimated GEMM time relative to running every GEMM in BF16."""
-        return sum(self.fractions[c] / SPEED[c] for c in CLASSES)
+    time_vs_bf16: float
+    """Estimated GEMM time (quantization included) relative to every GEMM in BF16, on the
+    report's device profile."""
+    profile: str = "nominal"
+    """Name of the device profile the time is for."""
 
     def metrics(self) -> dict[str, float]:
         """Flat ``{"fp4_flop_frac": .., "fp4_flop_frac_stage0": .., ...}`` for logging."""
@@ -260,15 +306,20 @@ class FlopReport:
         return out
 
 
-def flop_report(formats_of, shape: ModelShape, stage_of: list[int] | None = None) -> FlopReport:
+def flop_report(formats_of, shape: ModelShape, stage_of: list[int] | None = None,
+                profile: DeviceProfile | None = None) -> FlopReport:
     """Account every GEMM of every site; ``formats_of(site_id) -> SiteFormats``, ``stage_of``
-    as in :func:`layer_stages`."""
+    as in :func:`layer_stages`; the time on ``profile`` (default ``nominal``)."""
+    profile = device(profile)
     stages = [dict.fromkeys(CLASSES, 0.0) for _ in range(shape.pipeline_stages)]
-    for stage, cost in _site_costs(formats_of, shape, stage_of, BF16_FLOPS_PER_S):
+    seconds = bf16 = 0.0
+    for stage, cost in _site_costs(formats_of, shape, stage_of, profile):
+        seconds += cost.seconds
+        bf16 += 3 * (cost.gemm_flops / profile.bf16_flops_per_s)  # site_cost's sum in BF16
         for cls in cost.classes:
             stages[stage][cls] += cost.gemm_flops
     totals = [sum(s.values()) for s in stages]
     total = sum(totals)
     fractions = {c: sum(s[c] for s in stages) / total for c in CLASSES}
     per_stage = [{c: s[c] / t for c in CLASSES} for s, t in zip(stages, totals)]
-    return FlopReport(total, fractions, per_stage, totals)
+    return FlopReport(total, fractions, per_stage, totals, seconds / bf16, profile.name)

@@ -30,6 +30,7 @@ import torch
 from megatron_ext.extension import DryRunPart, StageTimes
 from megatron_ext.precision.controller import PlanController, compose
 from megatron_ext.precision.cost import ModelShape, flop_report, stage_seconds
+from megatron_ext.precision import device_profile
 from megatron_ext.precision.kept import kept_bytes, site_geometry
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.real_gemm import executes_real
@@ -88,15 +89,17 @@ def estimate(controller: PlanController, args, context) -> DryRunPart:
     formats_of = plan.formats if plan is not None else (lambda sid: SiteFormats())
     stage_of = context.layer_stages
     step = dataclasses.replace(shape, tokens=args.global_batch_size * args.seq_length)
+    profile = device_profile.resolve(getattr(args, "device_profile", None))
     flops = flop_report(formats_of, step, stage_of)
     seconds = [t / context.layout.tp for t in
-               stage_seconds(formats_of, shape, context.bf16_flops_per_s, stage_of)]
+               stage_seconds(formats_of, shape, context.bf16_flops_per_s, stage_of, profile)]
     sites = [len(SITES) * len(s.layers) for s in context.stages]
     fp4 = [f["fp4"] for f in flops.stage_fractions]
     kept = kept_memory(args, context, formats_of)
     method = plan.method if plan is not None else NO_PLAN
     how = (f"forward + backward of one micro-batch on one GPU at "
-           f"{context.bf16_flops_per_s / 1e12:g} TFLOP/s BF16 (FP8 2x, FP4 4x), attention core "
+           f"{context.bf16_flops_per_s / 1e12:g} TFLOP/s BF16 (device profile {profile.name}: "
+           f"native formats at their rates, emulated ones quantize + BF16), attention core "
            f"6·b·s²·h per layer, output layer 6·s·b·v·h, no communication: a lower bound")
     return DryRunPart(
         columns=("sites", "lin PFLOP", "FP4"),

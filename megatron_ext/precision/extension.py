@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_ext.errors import UsageError
 from megatron_ext.extension import Extension
-from megatron_ext.precision import dry_run
+from megatron_ext.precision import device_profile, dry_run
 from megatron_ext.precision import policies as policies_
 from megatron_ext.precision.controller import PlanController, verify_same_plan
 from megatron_ext.precision.cost import FlopReport, ModelShape, flop_report
@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser, policies: policies_.PolicySet
                         "emulated elsewhere; emulated = fake-quantize, then a high-precision "
                         "GEMM. FP4 / MXFP4 / NVFP4 / MXFP8 are always emulated (Hopper has no "
                         "FP4 or MX tensor cores): their speed-ups are cost-model estimates")
+    device_profile.add_argument(g)
     g.add_argument("--no-cache-quantized-weights", action="store_true",
                    help="quantize a weight for fprop in every micro-batch; by default a step "
                         "with several micro-batches quantizes it at the first and reuses it "
@@ -123,6 +124,8 @@ class PrecisionRun:
         """The policies ``--precision`` may name: ``uniform`` and the run's extensions'."""
         self.report: FlopReport | None = None
         """The FLOP split of the plan in force."""
+        self.device = device_profile.PROFILES["nominal"]
+        """The device profile the estimated GEMM time is for (``--device-profile``)."""
         self.changed: list[str] | None = None
         """Sites the commits changed since the last logged step, until ``on_step`` reports
         them (on the next logged step)."""
@@ -136,6 +139,7 @@ class PrecisionRun:
         """Plan changes since that line."""
 
     def validate(self, args) -> None:
+        self.device = device_profile.resolve(args.device_profile)  # a bad file: exit 2 here
         plan, policy = flags_plan(args, self.policies)
         if plan is not None:
             self.controller.set_base(plan)
@@ -183,7 +187,8 @@ class PrecisionRun:
             self._print(step)
             return
         plan = self.controller.effective()
-        report = flop_report(plan.formats, ModelShape.from_args(self.args))
+        report = flop_report(plan.formats, ModelShape.from_args(self.args),
+                             profile=self.device)
         plan = plan.replace(stage_fp4_frac=[s["fp4"] for s in report.stage_fractions])
         apply_plan(self.model, plan, self.args.num_layers)
         verify_same_plan(plan)
@@ -243,7 +248,8 @@ def _summary(plan: PrecisionPlan, report: FlopReport) -> str:
     split = " ".join(f"{c.upper()} {100 * f:.1f}%" for c, f in report.fractions.items())
     stages = ", ".join(f"{100 * f:.1f}%" for f in plan.stage_fp4_frac)
     return (f"precision: plan {plan.method} ({plan.hash[:12]}) | linear FLOPs {split} | "
-            f"FP4 per stage [{stages}] | est. GEMM time {report.time_vs_bf16:.2f}x BF16")
+            f"FP4 per stage [{stages}] | est. GEMM time {report.time_vs_bf16:.2f}x BF16 "
+            f"(device {report.profile})")
 
 
 def has_plan_flags(args: argparse.Namespace) -> bool:

@@ -3,6 +3,7 @@
     pgq_recipe.py PROFILE.json --out DIR [--pgq-format int8] [--pgq-fwd-threshold 20]
                   [--pgq-bwd-threshold 1] [--pgq-device h100|h200|b200|a100|cpu|none]
                   [--pgq-budget F] [--pgq-adversarial | --pgq-random [--pgq-seed S]]
+                  [--device-profile NAME|FILE]
 
 Writes ``DIR/recipe.md``, ``DIR/recipe.json`` (the explanation of every GEMM) and
 ``DIR/plan.json`` (the PrecisionPlan: ``pretrain_llama.py --precision-plan DIR/plan.json``)
@@ -28,8 +29,10 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="folder for recipe.md, recipe.json and plan.json (created)")
     from megatron_ext.methods.pgq.flags import add_recipe_arguments
+    from megatron_ext.precision.device_profile import add_argument
 
     add_recipe_arguments(parser)
+    add_argument(parser)
     return parser
 
 
@@ -41,7 +44,9 @@ def _run(argv: list[str]) -> None:
 
     args = build_parser().parse_args(argv)
     config = recipe_config(args)
-    recipe = make_recipe(load_profile(args.profile), config)
+    from megatron_ext.precision.device_profile import resolve
+
+    recipe = make_recipe(load_profile(args.profile), config, resolve(args.device_profile))
     for path in write_recipe(recipe, args.out, with_plan=True):
         print(f"wrote {path}")
     print(summary(recipe))

@@ -46,6 +46,7 @@ from megatron_ext.methods.pgq.plots import PLOTS
 from megatron_ext.methods.pgq.profile import load_profile
 from megatron_ext.methods.pgq.recipe import make_recipe
 from megatron_ext.methods.pgq.report import summary, write_recipe
+from megatron_ext.precision import device_profile
 from megatron_ext.precision.controller import PlanController
 from megatron_ext.precision.cost import ModelShape
 from megatron_ext.precision.plan import PrecisionPlan
@@ -71,7 +72,12 @@ def saved_recipe(config: PgqConfig, shape: ModelShape):
     if other:
         raise ValueError(f"'{config.profile}' profiles another model ({', '.join(other)} "
                          "differ)")
-    return make_recipe(profile, config.recipe)
+    return make_recipe(profile, config.recipe, _device(config))
+
+
+def _device(config: PgqConfig):
+    """The run's device profile (``--device-profile``), for the recipe's estimated time."""
+    return device_profile.resolve(config.device_profile)
 
 
 def pgq_plan(config: PgqConfig, shape: ModelShape) -> PrecisionPlan:
@@ -135,7 +141,7 @@ class PgqRun:
         start, self._batch_s = time.perf_counter(), []
         profile = collect_profile(args, run, state, config.profile_steps, config.candidates,
                                   self._batch_s)
-        recipe = make_recipe(profile, config.recipe)
+        recipe = make_recipe(profile, config.recipe, _device(config))
         payload = [None]
         if dist.get_rank() == 0:
             out = os.path.join(args.run_dir, POLICY)

@@ -130,6 +130,9 @@ class PgqConfig:
     profile: str | None = None
     """``--pgq-profile``: the saved profile the recipe is made from (None: profile in the
     run)."""
+    device_profile: str | None = None
+    """``--device-profile`` (the platform's flag): the device the recipe's estimated time is
+    costed on (None: this process's device)."""
 
 
 def config_from_args(args: argparse.Namespace) -> PgqConfig | None:
@@ -143,4 +146,5 @@ def config_from_args(args: argparse.Namespace) -> PgqConfig | None:
         raise UsageError(f"--pgq-profile-start must be in [0, --train-iters), got "
                          f"{args.pgq_profile_start}")
     return PgqConfig(recipe_config(args), args.pgq_profile_steps, args.pgq_profile_start,
-                     {} if args.pgq_profile else candidates(args), args.pgq_profile)
+                     {} if args.pgq_profile else candidates(args), args.pgq_profile,
+                     getattr(args, "device_profile", None))

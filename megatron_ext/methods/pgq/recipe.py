@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from megatron_ext.methods.pgq.profile import EMBEDDING, LOGITS, GemmProfile, Profile
 from megatron_ext.precision.cost import DEVICES, Device, flop_report, site_cost
+from megatron_ext.precision.device_profile import DeviceProfile
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.site_formats import PASSTHROUGH, SiteFormats
 from megatron_ext.sites import GEMM_ROLES, ROLES, parse_site_id
@@ -267,8 +268,10 @@ def _reason(g: GemmProfile, cfg: RecipeConfig, device, eligible: bool, quantized
     return f"{cfg.mode} ({how}): {'quantized' if quantized else 'kept'}; {test}"
 
 
-def make_recipe(profile: Profile, cfg: RecipeConfig) -> Recipe:
-    """The recipe ``cfg`` makes of ``profile``; ``ValueError`` for a format it lacks."""
+def make_recipe(profile: Profile, cfg: RecipeConfig,
+                device_profile: DeviceProfile | None = None) -> Recipe:
+    """The recipe ``cfg`` makes of ``profile``, its estimated GEMM time on ``device_profile``
+    (default ``nominal``); ``ValueError`` for a format it lacks."""
     if cfg.format not in profile.candidates:
         raise ValueError(f"format {cfg.format!r} was not profiled (the profile has "
                          f"{', '.join(profile.candidates)})")
@@ -287,7 +290,7 @@ def make_recipe(profile: Profile, cfg: RecipeConfig) -> Recipe:
     method = "pgq" if cfg.mode == "recipe" else f"pgq:{cfg.mode}"
     candidate = SiteFormats.from_dict(profile.candidates[cfg.format])
     plan = plan_of(quantized, candidate, sites, method, profile.step, cfg.budget)
-    report = flop_report(plan.formats, profile.shape())
+    report = flop_report(plan.formats, profile.shape(), profile=device_profile)
     fraction = 1 - report.fractions["bf16"]
     if cfg.logits:  # the linear fraction re-weighted by the linear + logits FLOPs
         flops = gemm_flops(profile, cfg)

@@ -32,6 +32,7 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_ext.precision.controller import PlanController
+from megatron_ext.precision import device_profile
 from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.precision.policies import Policy
@@ -74,9 +75,11 @@ def solve_plan(config: SnipConfig, args, policy: str, stats, step, loss=1.0, hyp
     else:
         q = planner.quality_table(policy, stats, options, loss, hyper, shape, config.seed,
                                   config.weights)
-    fixed = stage_fixed_seconds(shape)
+    profile = device_profile.resolve(getattr(args, "device_profile", None))
+    fixed = stage_fixed_seconds(shape, profile=profile)
     problem = planner.build_problem(sites, options, q, shape, fixed,
-                                    meta={"step": step, "policy": policy})
+                                    meta={"step": step, "policy": policy,
+                                          "device_profile": profile.name}, profile=profile)
     plan, solution = planner.make_plan(problem, options, policy, step, config.budget,
                                        config.stage_balance, config.solver, warm)
     return plan, solution, q, table, problem

@@ -37,6 +37,11 @@ linear-layer FLOPs to reach. Pipeline stages ``k = 0..K-1`` add one row each
   saving* ``1 − B / max_k T8_k`` is ``E_t/2``, what running ``E_t`` of the FLOPs at
   twice the speed saves (less where fixed time dilutes it). Fast stages may take less
   FP4, the slowest must take its share, so uneven stages are balanced on step time.
+  The option times come from the run's device profile (:mod:`megatron_ext.precision.
+  device_profile`). Where FP4 runs emulated (``Problem.fp4_emulated``: no option with FP4
+  FLOPs faster than its site's fastest option without, as on Hopper), FP4 cannot buy time:
+  row (2) asks for ``E_t = 0`` (``Solution.fp4_target``) and the plan is the least ``q``
+  within ``B``, the slowest stage's time at its fastest zero-FP4 options.
 * ``"none"`` — (1)-(4) only.
 
 How it is solved
@@ -142,6 +147,8 @@ class Solution:
     """Options dropped as dominated."""
     message: str = ""
     """Why the plan is not a proven optimum (fallback, or time limit); empty otherwise."""
+    fp4_target: float | None = None
+    """``E_t`` row (2) asked for: ``budget``, or 0 in time mode where FP4 does not pay."""
 
     @property
     def fallback(self) -> bool:
@@ -155,7 +162,8 @@ class Solution:
                 "fp4_fraction": self.fp4_fraction,
                 "stage_fp4_fraction": self.stage_fp4_fraction, "stage_time": self.stage_time,
                 "time_bound": self.time_bound, "mip_gap": self.mip_gap,
-                "solve_time": self.solve_time, "pruned": self.pruned, "choice": self.choice}
+                "solve_time": self.solve_time, "pruned": self.pruned,
+                "fp4_target": self.fp4_target, "choice": self.choice}
 
 
 def _check_inputs(problem: Problem, budget: float, mode: str) -> None:
@@ -178,8 +186,9 @@ def solve(problem: Problem, budget: float, stage_balance: str = "paper",
     mask, dominator = dominated(tab, stage_balance == "time")
     if not config.prune:
         mask = np.zeros_like(mask)
-    bound = stage_time_bound(problem, budget) if stage_balance == "time" else None
-    parts = blocks(problem, tab, tab.valid & ~mask, budget, stage_balance, bound)
+    target = 0.0 if stage_balance == "time" and problem.fp4_emulated else budget
+    bound = stage_time_bound(problem, target) if stage_balance == "time" else None
+    parts = blocks(problem, tab, tab.valid & ~mask, target, stage_balance, bound)
     warm = _warm_options(problem, warm_start or {}, dominator, mask)
     results = []
     for block in parts:
@@ -200,7 +209,7 @@ def solve(problem: Problem, budget: float, stage_balance: str = "paper",
     if message:
         warnings.warn(f"SNIP ILP: {message}", RuntimeWarning, stacklevel=2)
     return _solution(problem, choice, status, gap, time.perf_counter() - t0, budget,
-                     stage_balance, bound, int(mask.sum()), message)
+                     stage_balance, bound, int(mask.sum()), message, target)
 
 
 def _warm_options(problem: Problem, warm: dict[str, str], dominator: np.ndarray,
@@ -272,7 +281,8 @@ def _combined_gap(results: list[BlockResult]) -> float | None:
 
 
 def _solution(problem: Problem, choice: dict[str, str], status: str, gap, seconds: float,
-              budget: float, mode: str, bound, pruned: int, message: str) -> Solution:
+              budget: float, mode: str, bound, pruned: int, message: str,
+              target: float | None = None) -> Solution:
     """Evaluate ``choice`` exactly from the problem (not from HiGHS's floats)."""
     k = problem.num_stages
     fp4, flops, stage_time = [0.0] * k, [0.0] * k, list(problem.stage_fixed_time)
@@ -285,4 +295,5 @@ def _solution(problem: Problem, choice: dict[str, str], status: str, gap, second
         stage_time[site.stage] += opt.time
     return Solution(choice, math.fsum(q), sum(fp4) / sum(flops),
                     [a / b for a, b in zip(fp4, flops)], stage_time, bound, status, gap,
-                    seconds, float(budget), mode, pruned, message)
+                    seconds, float(budget), mode, pruned, message,
+                    float(budget if target is None else target))

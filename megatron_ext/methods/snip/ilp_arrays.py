@@ -155,6 +155,17 @@ def safe_plan(problem: Problem) -> dict[str, str]:
             for s in problem.sites}
 
 
+def fp4_emulated(sites) -> bool:
+    """Whether FP4 options are offered but none is faster than its site's fastest option
+    without FP4 (``Problem.fp4_emulated``: FP4 runs emulated on the device)."""
+    offered = pays = False
+    for site in sites:
+        t8 = min(o.time for o in site.options if o.fp4_flops == 0)
+        fp4 = [o.time for o in site.options if o.fp4_flops > 0]
+        offered, pays = offered or bool(fp4), pays or any(t < t8 for t in fp4)
+    return offered and not pays
+
+
 def stage_time_bound(problem: Problem, budget: float) -> float:
     """``B`` of time mode (:mod:`megatron_ext.methods.snip.ilp`), in seconds: the slowest stage
     if each site ran the fraction ``budget`` of its work at its fastest option's speed."""

@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
+from megatron_ext.precision.device_profile import DeviceProfile
 from megatron_ext.sites import parse_site_id
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import planner
@@ -248,9 +249,10 @@ def _check_sites(refresh: Refresh, num_layers: int) -> None:
                              f"{num_layers}-layer model of {refresh.args_path}")
 
 
-def plan_problem(refresh: Refresh, policy: str | None = None, layout: Layout = Layout()
-                 ) -> Planning:
-    """The refresh's ILP instance for ``policy`` (default: the run's) and ``layout``."""
+def plan_problem(refresh: Refresh, policy: str | None = None, layout: Layout = Layout(),
+                 profile: DeviceProfile | None = None) -> Planning:
+    """The refresh's ILP instance for ``policy`` (default: the run's) and ``layout``, its
+    times on ``profile`` (default ``nominal``)."""
     run = refresh.run_args
     policy = policy or (run.get("precision") if run.get("precision") in
                         planner.STATS_POLICIES else "snip")
@@ -266,9 +268,10 @@ def plan_problem(refresh: Refresh, policy: str | None = None, layout: Layout = L
     weights = (run.get("snip_loss_weight", 1.0), run.get("snip_weight_weight", 1.0))
     q = planner.quality_table(policy, refresh.sites, refresh.options, refresh.loss,
                               refresh.hyper, shape, run.get("snip_seed", 0), weights)
-    fixed = stage_fixed_seconds(shape, stage_of=layer_stage)
+    fixed = stage_fixed_seconds(shape, stage_of=layer_stage, profile=profile)
     meta = {"step": refresh.step, "policy": policy, "stats": refresh.stats_path,
-            "pipeline_stages": shape.pipeline_stages}
+            "pipeline_stages": shape.pipeline_stages,
+            "device_profile": (profile.name if profile else "nominal")}
     problem = planner.build_problem([s.site for s in refresh.sites], refresh.options, q,
-                                    shape, fixed, meta, layer_stage)
+                                    shape, fixed, meta, layer_stage, profile)
     return Planning(refresh, policy, problem, args, shape, layer_stage, weights)

@@ -15,8 +15,9 @@ policy              q[site, option]
 ``e-layer-id``      FP4 share x (1 + distance from the middle layer): FP4 for middle layers
 ==================  ==================================================================
 
-Each site's FLOPs and estimated times come from the cost model: a GEMM of ``2·T·N·K``
-FLOPs runs at the rate of its wider operand (BF16 989 TFLOP/s, FP8 2x, FP4 4x, H100-like);
+Each site's FLOPs and estimated times come from the cost model on the run's device profile
+(``--device-profile``, :mod:`megatron_ext.precision.device_profile`; ``nominal``: a GEMM of
+``2·T·N·K`` FLOPs runs at the rate of its wider operand, BF16 989 TFLOP/s, FP8 2x, FP4 4x);
 each stage's fixed time is its layers' attention core plus, on the last stage, the output
 layer, both in BF16 (``stage_fixed_time`` of ``problem.json``).
 """
@@ -26,12 +27,14 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_ext.precision.cost import ModelShape, layer_stages, site_cost
+from megatron_ext.precision.device_profile import DeviceProfile
 from megatron_ext.precision.plan import PrecisionPlan
 from megatron_ext.sites import parse_site_id
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip.divergence import (Divergence, SiteStats, divergences,
                                            quantization_errors)
 from megatron_ext.methods.snip.ilp import Solution, SolverConfig, solve
+from megatron_ext.methods.snip.ilp_arrays import fp4_emulated
 from megatron_ext.methods.snip.candidates import option_name
 from megatron_ext.methods.snip.problem import Option, Problem, Site
 
@@ -43,22 +46,25 @@ STATIC_POLICIES = ("random", "e-layer-type", "e-layer-id")
 
 def build_problem(sites: list[str], options: list[SiteFormats], q: np.ndarray,
                   shape: ModelShape, fixed: list[float], meta: dict | None = None,
-                  stage_of: list[int] | None = None) -> Problem:
+                  stage_of: list[int] | None = None,
+                  profile: DeviceProfile | None = None) -> Problem:
     """The ILP instance for ``q[site, option]`` (``problem.json`` of a refresh): each option's
     FLOPs and time from the cost model (:func:`~megatron_ext.precision.cost.site_cost`),
     ``fixed`` from :func:`~megatron_ext.precision.cost.stage_fixed_seconds`; ``stage_of`` as in
-    :func:`~megatron_ext.precision.cost.layer_stages`."""
+    :func:`~megatron_ext.precision.cost.layer_stages`; times on ``profile`` (default
+    ``nominal``)."""
     stages = layer_stages(shape, stage_of)
     out = []
     for i, sid in enumerate(sites):
         layer, name = parse_site_id(sid)
         opts = []
         for j, fmt in enumerate(options):
-            cost = site_cost(shape, name, fmt)
+            cost = site_cost(shape, name, fmt, profile=profile)
             opts.append(Option(option_name(fmt), float(q[i, j]), cost.fp4_flops, cost.flops,
                                cost.seconds))
         out.append(Site(sid, stages[layer], tuple(opts)))
-    return Problem(tuple(out), shape.pipeline_stages, tuple(fixed), meta=meta or {})
+    return Problem(tuple(out), shape.pipeline_stages, tuple(fixed), meta=meta or {},
+                   fp4_emulated=fp4_emulated(out))
 
 
 def quality_table(policy: str, stats: list[SiteStats] | None, options: list[SiteFormats],

@@ -20,6 +20,7 @@ JSON form (``problem.json``; the in-training planner writes one per refresh)::
       "num_stages": 2,
       "stage_fixed_time": [0.004, 0.009],        # optional, default all 0
       "meta": {"step": 5000},                    # optional, free-form, carried through
+      "fp4_emulated": false,                     # optional: time mode asks for no FP4
       "sites": [
         {"site": "L0.qkv", "stage": 0, "options": [
           {"name": "fp8", "q": 0.001, "fp4_flops": 0, "flops": 6.0e12, "time": 0.0030},
@@ -44,7 +45,7 @@ VERSION = 1
 _OPTION_KEYS = {"name", "q", "fp4_flops", "flops", "time"}
 _SITE_KEYS = {"site", "stage", "options"}
 _PROBLEM_REQUIRED = {"num_stages", "sites"}
-_PROBLEM_KEYS = _PROBLEM_REQUIRED | {"version", "stage_fixed_time", "meta"}
+_PROBLEM_KEYS = _PROBLEM_REQUIRED | {"version", "stage_fixed_time", "meta", "fp4_emulated"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ class Problem:
     loss); empty means all zero."""
     meta: dict = field(default_factory=dict, compare=False)
     """Free-form provenance (training step, model, how ``q`` was estimated); not read here."""
+    fp4_emulated: bool = False
+    """True when the device runs FP4 emulated: FP4 options are offered but none is faster than
+    its site's fastest option without FP4; time mode then asks for no FP4 FLOPs (``E_t = 0``,
+    :mod:`megatron_ext.methods.snip.ilp`)."""
 
     def __post_init__(self):
         k = self.num_stages
@@ -112,6 +117,7 @@ class Problem:
         """The JSON form (module docstring)."""
         return {"version": VERSION, "num_stages": self.num_stages,
                 "stage_fixed_time": list(self.stage_fixed_time), "meta": self.meta,
+                "fp4_emulated": self.fp4_emulated,
                 "sites": [{"site": s.site, "stage": s.stage,
                            "options": [vars(o).copy() for o in s.options]}
                           for s in self.sites]}
@@ -135,7 +141,8 @@ class Problem:
         return cls(tuple(_site_from_dict(s, i) for i, s in enumerate(sites)),
                    _integer(data["num_stages"], "problem: 'num_stages'"),
                    tuple(_number(t, f"problem: stage_fixed_time[{k}]")
-                         for k, t in enumerate(fixed)), meta)
+                         for k, t in enumerate(fixed)), meta,
+                   _flag(data.get("fp4_emulated", False), "problem: 'fp4_emulated'"))
 
     def save(self, path: str) -> None:
         """Write the JSON form atomically (temp file + rename)."""
@@ -242,3 +249,9 @@ def _check_site(site: Site, where: str, num_stages: int) -> None:
             raise ValueError(f"{at}: flops {opt.flops} differs from the site's {site.flops}")
     if not any(o.fp4_flops == 0 for o in site.options):
         raise ValueError(f"{where}: no option with fp4_flops == 0 (the safe fallback)")
+
+
+def _flag(value, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    return value

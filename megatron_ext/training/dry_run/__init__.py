@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --dry-run: GPU memory the per-stage estimates are checked against")
     g.add_argument("--dry-run-bf16-tflops", type=finite_float, default=DEFAULT_BF16_TFLOPS,
                    help="with --dry-run: dense BF16 peak of one GPU for the time estimates "
-                        "(FP8 2x, FP4 4x)")
+                        "(the other formats' rates: --device-profile)")
 
 
 def args_provider(inner=None):

@@ -158,3 +158,21 @@ def test_weights_quantized_once_per_step_train_and_evaluate_the_same(tmp_path):
                 for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
                for d in (cached, plain)]
     assert records[0] == records[1] and sum("val_loss" in r for r in records[0]) == 4
+
+
+def test_device_profile_file_sets_the_printed_estimate(tmp_path):
+    """uniform:fp4 with --device-profile FILE (H100's: FP4 emulated) prints and logs the GEMM
+    time the cost model gives on that profile, >= 1x BF16 (nominal: 0.25x, above)."""
+    from megatron_ext.precision.cost import ModelShape, flop_report
+    from megatron_ext.precision.device_profile import PROFILES
+
+    profile = tmp_path / "h100.json"
+    profile.write_text(PROFILES["h100"].to_json())
+    run_dir, proc = _train(tmp_path, "h100", "--no-save", "--precision", "uniform:fp4",
+                           "--device-profile", profile, steps=2)
+    args = SimpleNamespace(**json.loads((run_dir / "args.json").read_text()))
+    expected = flop_report(uniform_plan("fp4", args.num_layers).formats,
+                           ModelShape.from_args(args), profile=PROFILES["h100"]).time_vs_bf16
+    assert expected >= 1.0
+    assert f"est. GEMM time {expected:.2f}x BF16 (device h100)" in proc.stdout
+    assert _records(run_dir)[0]["gemm_time_vs_bf16"] == pytest.approx(expected)

@@ -191,3 +191,29 @@ def test_bad_input_exit_status_from_the_command_line(tmp_path):
     assert proc.stderr.splitlines() == [
         "error: argument --budgets: must be a fraction in [0, 1], got 1.5"]
     assert not (tmp_path / "o").exists()
+
+
+def test_device_profile_file_sets_the_time_mode_plans(run, tmp_path):
+    """FP4 native and free to quantize (nominal; at this tiny width B200's quantization costs
+    more than its FP4 saves) -> the budget is met in FP4; FP4 emulated (h100) -> time mode asks
+    for no FP4 (fp4_target 0); a bad file: exit 2 with one line."""
+    from megatron_ext.precision.device_profile import PROFILES
+
+    files = {}
+    for name in ("nominal", "h100"):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(PROFILES[name].to_json())
+    free = _tune(run, tmp_path / "b", "--budgets", "0.5", "--device-profile",
+                 str(files["nominal"]))
+    h100 = _tune(run, tmp_path / "h", "--budgets", "0.5", "--device-profile", str(files["h100"]))
+    on_free, on_h100 = free["plans"][0]["solution"], h100["plans"][0]["solution"]
+    assert on_free["fp4_target"] == 0.5 and on_free["fp4_fraction"] >= 0.5 - TOL
+    assert on_h100["fp4_target"] == 0.0 and on_h100["fp4_fraction"] == 0.0
+    assert on_h100["stage_time"] != on_free["stage_time"]
+    files["bad"] = tmp_path / "bad.json"
+    files["bad"].write_text("{")
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "tune_precision.py"), "--stats",
+                           str(run), "--out", str(tmp_path / "x"), "--device-profile",
+                           str(files["bad"])], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: --device-profile") and not (tmp_path / "x").exists()
