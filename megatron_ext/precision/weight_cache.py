@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class WeightReuse:
@@ -57,17 +59,30 @@ class WeightCache:
     reuse: WeightReuse
     """The run's generation and micro-batch count."""
     entries: dict = field(default_factory=dict)
-    """``(kind, format) -> quantized weight`` made in this generation."""
+    """``(kind, format) -> quantized weight`` for fprop, made in this generation."""
+    backward_entries: dict = field(default_factory=dict)
+    """``(kind, format) -> quantized weight`` for dgrad (a real FP8 ``q(w)`` along N),
+    made in this generation."""
     generation: int = -1
-    """The generation ``entries`` belong to."""
+    """The generation the entries belong to."""
     forwards: int = 0
     """Forwards of this linear in that generation."""
+    backwards: int = 0
+    """Backwards of this linear in that generation."""
+    backward_follows: bool = False
+    """Whether the current forward records autograd (a backward will read dgrad's entry)."""
 
     def start_forward(self) -> None:
         """Count a forward of the linear (call once per forward, before :meth:`get`)."""
-        if self.generation != self.reuse.generation:
-            self.entries, self.generation, self.forwards = {}, self.reuse.generation, 0
+        self._sync()
         self.forwards += 1
+        self.backward_follows = torch.is_grad_enabled()
+
+    def _sync(self) -> None:
+        """Drop every entry and count of another generation."""
+        if self.generation != self.reuse.generation:
+            self.entries, self.backward_entries = {}, {}
+            self.generation, self.forwards, self.backwards = self.reuse.generation, 0, 0
 
     def get(self, key: tuple, make: Callable[[], Any]) -> Any:
         """The entry ``key`` of this generation, made by ``make()`` if there is none; kept
@@ -78,3 +93,24 @@ class WeightCache:
         if self.forwards < self.reuse.micro_batches:
             self.entries[key] = value
         return value
+
+    def keep_for_backward(self, key: tuple, value: Any) -> None:
+        """Keep dgrad's ``value`` (made by a forward) for this generation's backwards."""
+        self.backward_entries[key] = value
+
+    def get_for_backward(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """dgrad's entry ``key`` of this generation, made by ``make()`` if there is none;
+        kept until the generation's ``micro_batches``-th backward (:meth:`end_backward`)."""
+        self._sync()
+        value = self.backward_entries.get(key)
+        if value is None:
+            value = self.backward_entries[key] = make()
+        return value
+
+    def end_backward(self) -> None:
+        """Count a backward of the linear (once per backward, after dgrad): the generation's
+        ``micro_batches``-th lets go of dgrad's entries."""
+        self._sync()
+        self.backwards += 1
+        if self.backwards >= self.reuse.micro_batches:
+            self.backward_entries.clear()
