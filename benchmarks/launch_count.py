@@ -107,8 +107,9 @@ class TritonLaunches:
 GEMM_FRAMES = {"_dgrad": "dgrad", "_wgrad": "wgrad", "forward": "fprop", "backward": "other"}
 """Function of ``precision/gemm.py`` on the stack -> the GEMM kind a launch belongs to
 (innermost first; ``backward`` alone: the bias gradient, ``dy``'s copy)."""
-WEIGHT_FRAMES = {"fprop_weight": "weights", "dgrad_weight": "weights"}
-"""Functions of ``precision/real_gemm.py`` that quantize a weight (once a step when cached)."""
+WEIGHT_FRAMES = {"_fp8_fprop_weight", "_fp8_dgrad_weight"}
+"""Functions of ``precision/gemm.py`` that make a real GEMM's FP8 weight (once a step with the
+weight cache): their launches are the kind ``weights``."""
 KINDS = ("fprop", "dgrad", "wgrad", "weights", "other")
 
 
@@ -117,10 +118,11 @@ def _gemm_kind() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_filename.endswith("real_gemm.py") and code.co_name in WEIGHT_FRAMES:
-            return WEIGHT_FRAMES[code.co_name]
-        if code.co_filename.endswith("gemm.py") and code.co_name in GEMM_FRAMES:
-            return GEMM_FRAMES[code.co_name]
+        if code.co_filename.endswith(os.path.join("precision", "gemm.py")):
+            if code.co_name in WEIGHT_FRAMES:
+                return "weights"
+            if code.co_name in GEMM_FRAMES:
+                return GEMM_FRAMES[code.co_name]
         frame = frame.f_back
     return "other"
 
@@ -178,7 +180,6 @@ def gemm_launches(formats: str, micro_batches: int, cached: bool, shape=(64, 128
     ``micro_batches`` forwards and backwards, with the weight cache (``cached``) or without
     (every GEMM quantizes its weight from BF16)."""
     from megatron_ext.precision.gemm import quantized_gemm
-    from megatron_ext.precision.real_gemm import runs_real
     from megatron_ext.precision.site_formats import SiteFormats, resolve
     from megatron_ext.precision.weight_cache import WeightCache, WeightReuse
 
@@ -190,16 +191,18 @@ def gemm_launches(formats: str, micro_batches: int, cached: bool, shape=(64, 128
     data = [(torch.randn(tokens, k, generator=g).to(device, dtype).requires_grad_(),
              torch.randn(tokens, n, generator=g).to(device, dtype))
             for _ in range(micro_batches)]
-    for a, b in ((data[0][0], w), (data[0][1], w.t()), (data[0][1].t(), data[0][0].t())):
-        runs_real(ops.fprop_x, ops.fprop_w, a, b)  # the device trials: outside the count
-    cache = WeightCache(WeightReuse(micro_batches)) if cached else None
+    reuse = WeightReuse(micro_batches)
+    cache = WeightCache(reuse) if cached else None
     counter = GemmLaunches()
     branches = _CudaBranches() if device == "cpu" else contextlib.nullcontext()
-    with branches, counter:
-        for x, dy in data:
-            if cache is not None:
-                cache.start_forward()
-            quantized_gemm(x, w, None, ops, real=True, cache=cache).backward(dy)
+    for counted in (contextlib.nullcontext(), counter):  # a warm-up step: the device trials
+        reuse.new_weights()
+        with branches, counted:
+            for x, dy in data:
+                if cache is not None:
+                    cache.start_forward()
+                w.grad = x.grad = None  # the count leaves out the gradients' accumulation
+                quantized_gemm(x, w, None, ops, real=True, cache=cache).backward(dy)
     per_micro = {kind: counter.counts[kind] / micro_batches for kind in KINDS}
     return {**per_micro, "total": sum(per_micro.values())}
 
