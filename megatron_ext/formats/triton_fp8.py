@@ -7,13 +7,15 @@ reference's rules (``_factors`` of :mod:`.triton_kernels`, as ``fake_quant``'s k
 rounds, and writes the FP8 values and the float32 block scales.
 
 :func:`scale_and_cast` is the second pass for per-tensor and per-row scales, whose amax a
-reduction has taken first (the factors are made in the kernel, as above): each program loads a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed
-view reads in place), multiplies by the quantization factor of each value's scale block,
-rounds onto the element grid with the reference's nearest-even rule (``_round_grid`` of
-:mod:`.triton_kernels`, saturating), keeps the input's sign on zeros, and stores the values — exact in FP8 by then, so the
-cast cannot round again — row-major, and on request transposed as well (a per-tensor
-operand that two GEMMs read along different axes: one pass writes both layouts). Bit-identical to the torch path of :func:`.fp8.to_fp8`
-(tested under ``TRITON_INTERPRET=1``).
+reduction has taken first (the factors are made in the kernel, as above): each program loads
+a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed view reads in
+place), multiplies by the quantization factor of each value's scale block, rounds onto the
+element grid with the reference's nearest-even rule (``_round_grid`` of
+:mod:`.triton_kernels`, saturating), keeps the input's sign on zeros, and stores the values
+(exact in FP8 by then, so the cast cannot round again) row-major, and on request transposed
+as well: a per-tensor operand that two GEMMs read along different axes gets both layouts
+from one pass. Bit-identical to the torch path of :func:`.fp8.to_fp8` (tested under
+``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations

@@ -55,18 +55,21 @@ tensor-wide scale repeats its amax all-reduce there) — trading one more quanti
 the copy's memory. ŵ's gradient is dgrad's usual ``dw``; autograd routes it into the
 transform's own backward.
 
-**Weights once per step.** With a :class:`~.weight_cache.WeightCache` (the layer's, in runs
-with several micro-batches) fprop's quantized weight comes from the step's first
-micro-batch: the emulated one where dgrad reuses it (backward keeps it anyway), the real
-FP8 one always.
+**Weights once per step.** With a :class:`~.weight_cache.WeightCache` (the layer's) fprop's
+quantized weight comes from the step's first micro-batch: the emulated one where dgrad
+reuses it (backward keeps it anyway), the real FP8 one always; so does a real FP8 dgrad's
+``q(w)`` along N, which per tensor is fprop's transposed, written by the same cast.
 
 **Real FP8 GEMMs.** With ``real`` set (``--fp8-execution``), a GEMM whose two operands are
 both amax-scaled FP8 formats runs on FP8 data with ``torch._scaled_mm`` instead
-(:mod:`.real_gemm`), one GEMM at a time: a site may run fprop real and wgrad emulated. Its
-forward then keeps the unquantized weight, and dgrad quantizes it along N itself. Where an
-operand's format is axis-free (one scale per tensor, square blocks) its FP8 data serves both
-GEMMs that read it, transposed: the forward keeps ``q(x)`` in FP8 for wgrad instead of ``x``
-(half the bytes in BF16), and wgrad reuses dgrad's ``q(dy)``.
+(:mod:`.real_gemm`), one GEMM at a time: a site may run fprop real and wgrad emulated; fprop
+asks for fast accumulation. Its forward then keeps the unquantized weight, and dgrad's
+``q(w)`` along N comes from the cache or is quantized by dgrad. Where an operand's format is
+axis-free (one scale per tensor, square blocks) its FP8 data serves both GEMMs that read it,
+transposed, and the cast that makes it writes the transpose too
+(:func:`~megatron_ext.formats.fp8.to_fp8_pair`): the forward keeps ``q(x).T`` in FP8 for
+wgrad instead of ``x`` (half the bytes in BF16; under sequence parallelism its rows of
+``q(x)``, transposed by wgrad), and wgrad reads dgrad's ``q(dy).T``.
 
 The backward is *not* autograd of the quantized forward: with straight-through estimators
 autograd would reuse fprop's ``q(w)`` and ``q(x)`` along K, where the hardware GEMMs quantize
@@ -231,19 +234,19 @@ def _real_fprop(ctx, x2: torch.Tensor, weight: torch.Tensor, ops: GemmOperands, 
     ctx.x_t = keep_x and x_t
     qx, kept = (_to_fp8_pair(x2, ops.fprop_x, group) if ctx.x_t else
                 (_to_fp8(x2, ops.fprop_x, group),) * 2)
-    dgrad_real = ctx.needs_input_grad[0] and _dgrad_runs_real(ops, x2, weight)
-    qw = _fp8_fprop_weight(weight, ops, group, cache, dgrad_real)
+    qw = _fp8_fprop_weight(weight, ops, group, cache, lambda: ctx.needs_input_grad[0]
+                           and _dgrad_runs_real(ops, x2, weight))
     return scaled_mm(qx, qw, x2.dtype, fast_accum=True), kept if keep_x else None
 
 
 def _fp8_fprop_weight(weight: torch.Tensor, ops: GemmOperands, group,
-                      cache: WeightCache | None, dgrad_real: bool) -> Fp8Operand:
+                      cache: WeightCache | None, dgrad_real: Callable[[], bool]) -> Fp8Operand:
     """fprop's FP8 ``q(w)``, from the step's first forward where there is a ``cache``; where
-    a real dgrad reads the same values transposed (``dgrad_real``, the weight format
-    axis-free in both GEMMs) and a backward follows, that forward's cast writes the
+    a backward follows whose dgrad runs real (``dgrad_real()``) on the same values
+    transposed (the weight format axis-free in both GEMMs), that forward's cast writes the
     transpose too, which the cache keeps for the step's backwards."""
     def make():
-        if not (dgrad_real and cache.backward_follows and ops.dgrad_reuses_fprop_w):
+        if not (cache.backward_follows and ops.dgrad_reuses_fprop_w and dgrad_real()):
             return _to_fp8(weight, ops.fprop_w, group)
         qw, qw_t = _to_fp8_pair(weight, ops.fprop_w, group)
         cache.keep_for_backward(("fp8", ops.dgrad_w), qw_t)
@@ -315,8 +318,7 @@ def _wgrad(ctx, dy: torch.Tensor, qdy: Fp8Operand | torch.Tensor | None,
            x: torch.Tensor | None, qx: Fp8Operand | None) -> torch.Tensor:
     """dw = q(dy).T @ q(x), both along T: real FP8 where the formats allow, reading dgrad's
     ``q(dy)`` and the forward's FP8 ``q(x)``, both transposed already, where their formats are
-    axis-free;
-    else emulated: dgrad's fake-quantized ``q(dy)`` and the forward's ``q(x)`` where they
+    axis-free; else emulated: dgrad's fake-quantized ``q(dy)`` and the forward's ``q(x)`` where they
     serve along T too (:func:`.site_formats.same_either_way`), otherwise dy.T (N, T) and
     x.T (K, T) quantized along their last dim (fake_quant does not transpose back)."""
     ops, group = ctx.ops, ctx.group

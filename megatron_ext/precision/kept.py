@@ -78,7 +78,7 @@ class KeptBytes:
 
 
 def kept_bytes(ops: GemmOperands, geometry: SiteGeometry, dtype: torch.dtype, real: bool,
-               cached: bool, micro_batches: int = 2) -> KeptBytes:
+               cached: bool, micro_batches: int) -> KeptBytes:
     """What a site with operand formats ``ops`` keeps beyond megatron's linear in a run of
     parameters and activations in ``dtype``; ``real``: FP8 GEMMs run for real where their
     formats and shapes allow (:func:`~.real_gemm.fits_real`); ``cached``: the weight cache

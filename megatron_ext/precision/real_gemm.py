@@ -33,7 +33,10 @@ Numerics: per GEMM, the real product is the exact product of the FP8 values and 
 to the FP32 accumulator; the emulated one first rounds each ``q * d`` to the run's dtype.
 In an FP32 run the two agree to FP32 rounding (``q * d`` needs up to 25 significand bits);
 in a BF16 run the emulated GEMM rounds ``q * d`` to BF16, and the real one is the more
-accurate of the two. ``--fp8-execution`` picks the path per run (:func:`wants_real`).
+accurate of the two. fprop asks :func:`scaled_mm` for the tensor cores' fast accumulation,
+granted for per-tensor scales where the device's trial with it passes
+(:func:`fast_accumulates`; CPU ignores it); dgrad and wgrad accumulate as usual.
+``--fp8-execution`` picks the path per run (:func:`wants_real`).
 """
 
 from __future__ import annotations

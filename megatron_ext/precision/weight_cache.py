@@ -1,11 +1,14 @@
-"""A weight quantized once per step, not once per micro-batch.
+"""A weight quantized once per step, not once per micro-batch and GEMM.
 
-A step of ``M`` micro-batches runs every linear's forward ``M`` times on the same weights:
-the optimizer changes them only between steps. Transformer Engine keeps a layer's FP8 weight
-from the first micro-batch for the others (megatron-core tells it through
+A step of ``M`` micro-batches runs every linear's forward ``M`` times on the same weights,
+and each real FP8 dgrad reads them again, along N: the optimizer changes them only between
+steps. Transformer Engine keeps a layer's FP8 weight and its transpose from the first
+micro-batch for the rest of the step (megatron-core tells it through
 ``is_first_microbatch``); :class:`WeightCache` does the same for the quantized GEMM
 (:mod:`.gemm`): fprop's quantized weight is made by the first forward of a step and handed to
-the next ``M - 1``, so a step quantizes each weight once for fprop.
+the next ``M - 1`` (:meth:`WeightCache.get`), and a real FP8 dgrad's ``q(w)`` along N is made
+once and handed to every backward of the step (:meth:`WeightCache.get_for_backward`; per
+tensor fprop's cast writes it, :meth:`WeightCache.keep_for_backward`).
 
 What is kept, and what it costs:
 
@@ -14,19 +17,22 @@ What is kept, and what it costs:
   a tile-scaled weight is quantized per micro-batch as before (keeping it would add a
   weight-sized copy);
 * a **real FP8** weight (``--fp8-execution``): its FP8 data and scales, one byte per weight
-  more while a step's micro-batches run (TE's trade).
+  more while a step's forwards run (TE's trade), and one byte per weight for dgrad's from
+  the step's first forward (or dgrad) to its last backward.
 
 **When it is thrown away.** The weights may change between any two steps, and megatron's
 optimizer writes them through ``.data`` (no version counter sees it), so the cache trusts no
 tensor state: the run's :class:`WeightReuse` counts *generations*, the precision extension
 starts a new one before and after every step (so evaluation and the next step never see a
 weight of the last), and an entry of another generation is never used. The ``M``-th forward
-of a generation lets go of the entry, so between steps (the optimizer step included) nothing
-is held; forwards beyond ``M`` (activation recomputation, evaluation) quantize afresh. Only
-the layer's own parameter is cached (not a method's transformed weight, which is new every
-forward) and only in runs with several micro-batches (``--no-cache-quantized-weights`` turns
-it off). The cached values are the ones the GEMM would compute: training is bit for bit the
-same (tested against the run without the cache).
+of a generation lets go of fprop's entry and the ``M``-th backward of dgrad's, so between
+steps (the optimizer step included) nothing is held, whatever order a pipeline schedule
+runs the forwards and backwards in; forwards beyond ``M`` (activation recomputation,
+evaluation) quantize afresh, and a forward without autograd (evaluation) makes no dgrad
+entry. Only the layer's own parameter is cached (not a method's transformed weight, which is
+new every forward); ``--no-cache-quantized-weights`` turns the cache off. The cached values
+are the ones the GEMM would compute: training is bit for bit the same (tested against the
+run without the cache).
 """
 
 from __future__ import annotations
