@@ -49,7 +49,8 @@ class WeightReuse:
     """The run's side of the caches: micro-batches per step and the weights' generation."""
 
     micro_batches: int
-    """Forwards per step of each linear (megatron's micro-batches on this rank)."""
+    """Forwards and backwards per step of each linear (megatron's micro-batches on this
+    rank)."""
     generation: int = 0
     """Bumped by :meth:`new_weights`; a cache holds entries of one generation only."""
 
