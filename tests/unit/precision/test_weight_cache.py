@@ -173,3 +173,22 @@ def test_a_forward_without_autograd_keeps_nothing_for_dgrad():
         cache.start_forward()
         quantized_gemm(batches[0][0], w, None, resolve(PER_TENSOR_FP8), real=True, cache=cache)
     assert len(cache.entries) == 1 and not cache.backward_entries
+
+
+def test_real_fp8_entries_of_an_unfinished_step_are_not_used_after_new_weights():
+    """Forwards whose backwards never ran (an aborted step) leave dgrad's q(w).T behind; after
+    new weights the next step matches quantizing afresh, bit for bit."""
+    w, batches = _batches(6)
+    reuse = WeightReuse(MICRO_BATCHES)
+    cache = WeightCache(reuse)
+    for x, _ in batches[:2]:
+        cache.start_forward()
+        quantized_gemm(x.clone().requires_grad_(), w.clone().requires_grad_(), None,
+                       resolve(PER_TENSOR_FP8), real=True, cache=cache)
+    assert cache.backward_entries  # held for backwards that do not come
+    reuse.new_weights()
+    w2 = w * 1.5
+    order = ORDERS["1F1B, 1 warm-up forward"]
+    got = _pipelined_step(w2, batches, PER_TENSOR_FP8, cache, order)
+    for g, r in zip(got, _pipelined_step(w2, batches, PER_TENSOR_FP8, None, order)):
+        assert torch.equal(g, r)
