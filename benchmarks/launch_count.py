@@ -1,4 +1,12 @@
-"""Which calls launch a GPU kernel, for ``host_syncs.py``'s per-step count of launches.
+"""Which calls launch a GPU kernel, for ``host_syncs.py``'s per-step count of launches, and
+the launches per quantized GEMM of one linear with real FP8 GEMMs:
+
+    python benchmarks/launch_count.py [--formats fp8_e4m3 fp8_e4m3@row] [--micro-batches 4]
+
+prints, per format, with and without the weight cache, a table of launches per micro-batch
+by GEMM kind (fprop, dgrad, wgrad, the weights' quantization, the rest), counted over one
+step after a warm-up step (:func:`gemm_launches`; on CPU the quantizers take their GPU side
+in Triton's interpreter, every dispatched op but views and allocations one launch).
 
 On a GPU each launch costs the host its Python and driver time; a step whose host work
 outlasts its kernels keeps the device waiting, and then a method's many small launches add
