@@ -70,6 +70,10 @@ TRAIN_CONFIGS = {
     "bf16 1 sequence": ["--micro-batch-size", "1", "--global-batch-size", "1"],
     "gaussws 1 sequence": ["--gaussws", "od", "--micro-batch-size", "1",
                            "--global-batch-size", "1"],
+    "bf16 hidden 4096": ["--model", "llama2-7b", "--num-layers", "8"],
+    "fp8 per-tensor real hidden 4096": ["--model", "llama2-7b", "--num-layers", "8",
+                                        "--precision", "uniform:fp8_e4m3",
+                                        "--fp8-execution", "real"],
     "uniform:fp8 real 2 micro-batches": ["--precision", "uniform:fp8", "--fp8-execution", "real",
                                          "--micro-batch-size", "1"],
     "uniform:fp8 real 2 micro-batches no cache": [
@@ -80,8 +84,9 @@ TRAIN_CONFIGS = {
 the shape names takes the row's value; ``micro-batch 8 global 64`` is the batch TinyLlama
 trained with, 131,072 tokens a step in 8 micro-batches; the ``1 sequence`` rows halve the
 tokens a step: a step whose time stays is the host's, not the GPU's; the ``2 micro-batches``
-rows, the same tokens in two micro-batches, with fprop's FP8 weights made once per step and
-in each);
+rows, the same tokens in two micro-batches, with the FP8 weights made once per step and in
+each GEMM; the ``hidden 4096`` rows, Llama-2-7B's widths at 8 layers: per-tensor FP8's target
+there is 1.25x BF16, 1.12x at TinyLlama's);
 ``{fp8_tensor_plan}`` is a plan file with every site in per-tensor E4M3; ``{pgq_plan}`` /
 ``{snip_plan}`` is the last plan the ``pgq`` / ``snip`` row wrote (run that row first): the
 method's overhead is its step time over its own plan's through ``--precision-plan``."""

@@ -103,6 +103,7 @@ def formats(args, out) -> dict:
             rows.append({"format": f"to_fp8 {name}", "dtype": str(dtype)[6:],
                          "bit_identical": same, "x_clone": round(s / clone_s, 2)})
         rows.append(_two_passes(x, clone_s))
+        rows.append(_pair(x, x_cpu, clone_s))
     timed = [r for r in rows if "x_clone" in r]
     return {"rows": rows, "all_bit_identical": all(r.get("bit_identical") is not False
                                                    for r in timed),
@@ -123,6 +124,22 @@ def _two_passes(x: torch.Tensor, clone_s: float) -> dict:
     return {"format": "to_fp8 fp8_e4m3, each pass", "dtype": str(x.dtype)[6:],
             "amax x clone": round(reduce_s / clone_s, 2),
             "cast x clone": round(cast_s / clone_s, 2)}
+
+
+def _pair(x: torch.Tensor, x_cpu: torch.Tensor, clone_s: float) -> dict:
+    """Per-tensor ``to_fp8_pair`` (the cast writing both layouts, as fprop's ``x`` and dgrad's
+    ``dy`` take it): both bit-identical with the CPU path along either axis, x ``clone()``."""
+    from megatron_ext.formats import get_format
+    from megatron_ext.formats.fp8 import to_fp8, to_fp8_pair
+
+    fmt = get_format("fp8_e4m3")
+    got = to_fp8_pair(x, fmt)
+    same = all(torch.equal(g.data.cpu().view(torch.uint8), r.data.view(torch.uint8))
+               and torch.equal(g.scale.cpu(), r.scale)
+               for g, r in zip(got, (to_fp8(x_cpu, fmt), to_fp8(x_cpu.t(), fmt))))
+    pair_s = _time(lambda: to_fp8_pair(x, fmt))
+    return {"format": "to_fp8_pair fp8_e4m3 (both layouts)", "dtype": str(x.dtype)[6:],
+            "bit_identical": same, "x_clone": round(pair_s / clone_s, 2)}
 
 
 def stquant(args, out) -> dict:

@@ -73,10 +73,10 @@ def _to_fp8(plan: str):
     pointers = {"x_ptr": "*bf16", "amax_ptr": "*bf16", "out_ptr": "*fp8e4nv",
                 "scale_ptr": "*fp32"}
     if plan.startswith("scale and cast"):
-        rows = plan.endswith("rows")
-        return (tf._scale_cast_kernel, pointers,
-                dict(BLOCK=tf._BLOCK // (1 if rows else 2), WHOLE_ROWS=rows, **element),
-                16 if rows else 4)
+        rows, write_t = "whole rows" in plan, plan.endswith("transposed")
+        return (tf._scale_cast_kernel, {**pointers, "out_t_ptr": "*fp8e4nv"},
+                dict(BLOCK=tf._BLOCK // (1 if rows else 2), WHOLE_ROWS=rows, WRITE_T=write_t,
+                     **element), 16 if rows else 4)
     block_m, block_k = (32, 128) if plan == "tiles" else (1, 8192)
     return (tf._quantize_blocks_kernel, pointers,
             dict(BLOCK_M=block_m, GROUP_M=1, BLOCK_K=block_k, **element), 16 if plan == "row" else 4)
@@ -105,6 +105,8 @@ CASES = {  # the launchers' sizes: 32 values a thread, 16 with stochastic roundi
     "error sums": _error_sums,
     "to_fp8 two-pass cast, blocks": lambda: _to_fp8("scale and cast, blocks"),
     "to_fp8 two-pass cast, rows": lambda: _to_fp8("scale and cast, whole rows"),
+    "to_fp8 two-pass cast, rows and transposed":
+        lambda: _to_fp8("scale and cast, whole rows, transposed"),
     "to_fp8 one pass, 1x128 tiles": lambda: _to_fp8("tiles"),
     "to_fp8 one pass, row of 8192": lambda: _to_fp8("row"),
     "GaussWS perturb, BF16": lambda: _gaussws("perturb"),

@@ -19,7 +19,10 @@ Speed: on CUDA, 1x128 tiles, 128x128 blocks and per-row scales of a row-major op
 rows of up to 8,192 values take one Triton pass (:mod:`.triton_fp8`: amax, factors, rounding,
 one byte written per value); per-tensor scales and other per-row ones take two — a read-only
 amax reduction (``vector_norm(ord=inf)``, no temporary) and a fused scale-round-cast kernel;
-elsewhere three torch ops follow the reduction. The reduction's
+elsewhere three torch ops follow the reduction. :func:`to_fp8_pair` quantizes an operand that
+two GEMMs read along different axes (a per-tensor ``x``, ``dy`` or weight) for both: on CUDA
+with a per-tensor scale the cast kernel writes the row-major values and their transpose in
+its one pass (two launches for both layouts), otherwise the transpose is a copy. The reduction's
 amax is *not* finite-filtered (the one-pass kernel's is): an operand holding NaN or inf then
 gets a non-finite scale, so the GEMM's output is non-finite as the emulated GEMM's is, but
 not equal to it.
@@ -34,7 +37,8 @@ import torch
 from .registry import Format
 from .scaling import AmaxScaling
 
-__all__ = ["FP8_DTYPES", "Fp8Operand", "block_shape", "is_fp8_format", "to_fp8"]
+__all__ = ["FP8_DTYPES", "Fp8Operand", "block_shape", "is_fp8_format", "to_fp8", "to_fp8_pair",
+           "transposed"]
 
 ROW_MAX = 8192
 """The longest row whose per-row scale the one-pass kernel makes (the values a program of
@@ -73,12 +77,7 @@ def to_fp8(t: torch.Tensor, fmt: Format, tensor_amax: torch.Tensor | None = None
     ``tensor_amax``: the whole tensor's amax when ``t`` is a shard of a per-tensor-scaled
     operand (see ``precision.gemm.whole_tensor_amax``). Block sizes must divide the shape.
     """
-    if not is_fp8_format(fmt):
-        raise ValueError(f"{fmt} is not an amax-scaled FP8 format with nearest rounding")
-    rows, cols = t.shape
-    br, bc = block_shape(fmt, rows, cols)
-    if rows % br or cols % bc:
-        raise ValueError(f"{fmt}: blocks {br}x{bc} do not divide a {rows}x{cols} operand")
+    br, bc = _checked_blocks(t, fmt)
     if t.is_cuda and _one_pass(fmt, t):
         from .triton_fp8 import quantize_blocks
 
@@ -92,6 +91,44 @@ def to_fp8(t: torch.Tensor, fmt: Format, tensor_amax: torch.Tensor | None = None
     factors = fmt.scaling.factors(amax.float(), fmt.element)
     return Fp8Operand(_scale_and_cast(t, factors.quant, br, bc, fmt.element, dtype),
                       factors.dequant.contiguous(), fmt)
+
+
+def to_fp8_pair(t: torch.Tensor, fmt: Format,
+                tensor_amax: torch.Tensor | None = None) -> tuple[Fp8Operand, Fp8Operand]:
+    """``(to_fp8(t), transposed(to_fp8(t)))`` for a format whose blocks ignore the axis (one
+    scale per tensor, square blocks): the operand of both GEMMs that read ``t``, the second
+    one reducing along ``t``'s other axis. On CUDA a per-tensor scale's cast writes both
+    layouts in its one pass; otherwise the transpose is a copy of the FP8 values."""
+    br, bc = _checked_blocks(t, fmt)
+    if br != bc and (br, bc) != t.shape:
+        raise ValueError(f"{fmt}: the transpose of {br}x{bc} blocks is another quantization")
+    if not (t.is_cuda and fmt.scaling.rows is None and fmt.scaling.cols is None):
+        op = to_fp8(t, fmt, tensor_amax)
+        return op, transposed(op)
+    from .triton_fp8 import scale_and_cast
+
+    amax = _block_amax(t, br, bc) if tensor_amax is None else tensor_amax.reshape(1, 1)
+    data, scale, data_t = scale_and_cast(t, amax, br, bc, fmt.element,
+                                         FP8_DTYPES[fmt.element.name], with_transpose=True)
+    return Fp8Operand(data, scale, fmt), Fp8Operand(data_t, scale, fmt)
+
+
+def transposed(op: Fp8Operand) -> Fp8Operand:
+    """``op`` quantized along its other axis, for a format whose blocks ignore the axis: the
+    same values and scales, transposed (one byte a value copied, no second quantization)."""
+    return Fp8Operand(op.data.t().contiguous(), op.scale.t().contiguous(), op.fmt)
+
+
+def _checked_blocks(t: torch.Tensor, fmt: Format) -> tuple[int, int]:
+    """``fmt``'s ``(block_rows, block_cols)`` on ``t``; ValueError unless ``fmt`` is one
+    :func:`to_fp8` makes and its blocks divide ``t``."""
+    if not is_fp8_format(fmt):
+        raise ValueError(f"{fmt} is not an amax-scaled FP8 format with nearest rounding")
+    rows, cols = t.shape
+    br, bc = block_shape(fmt, rows, cols)
+    if rows % br or cols % bc:
+        raise ValueError(f"{fmt}: blocks {br}x{bc} do not divide a {rows}x{cols} operand")
+    return br, bc
 
 
 def _one_pass(fmt: Format, t: torch.Tensor) -> bool:

@@ -7,12 +7,15 @@ reference's rules (``_factors`` of :mod:`.triton_kernels`, as ``fake_quant``'s k
 rounds, and writes the FP8 values and the float32 block scales.
 
 :func:`scale_and_cast` is the second pass for per-tensor and per-row scales, whose amax a
-reduction has taken first (the factors are made in the kernel, as above): each program loads a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed
-view reads in place), multiplies by the quantization factor of each value's scale block,
-rounds onto the element grid with the reference's nearest-even rule (``_round_grid`` of
-:mod:`.triton_kernels`, saturating), keeps the input's sign on zeros, and stores the values — exact in FP8 by then, so the
-cast cannot round again — row-major. Bit-identical to the torch path of :func:`.fp8.to_fp8`
-(tested under ``TRITON_INTERPRET=1``).
+reduction has taken first (the factors are made in the kernel, as above): each program loads
+a ``BLOCK x BLOCK`` tile of the input through its strides (a transposed view reads in
+place), multiplies by the quantization factor of each value's scale block, rounds onto the
+element grid with the reference's nearest-even rule (``_round_grid`` of
+:mod:`.triton_kernels`, saturating), keeps the input's sign on zeros, and stores the values
+(exact in FP8 by then, so the cast cannot round again) row-major, and on request transposed
+as well: a per-tensor operand that two GEMMs read along different axes gets both layouts
+from one pass. Bit-identical to the torch path of :func:`.fp8.to_fp8` (tested under
+``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ _BLOCK = 64
 
 @triton.jit
 def _scale_cast_kernel(
-    x_ptr, amax_ptr, out_ptr, scale_ptr, n_rows, n_cols, sx_r, sx_c, scale_rows, scale_cols,
-    n_scale_cols, BLOCK: tl.constexpr, WHOLE_ROWS: tl.constexpr, ELEM_MAX: tl.constexpr,
+    x_ptr, amax_ptr, out_ptr, out_t_ptr, scale_ptr, n_rows, n_cols, sx_r, sx_c, scale_rows,
+    scale_cols, n_scale_cols, BLOCK: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+    WRITE_T: tl.constexpr, ELEM_MAX: tl.constexpr,
     ELEM_EMAX: tl.constexpr, ELEM_EMIN: tl.constexpr, ELEM_MBITS: tl.constexpr,
     DROP_BITS: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK x BLOCK tile: factors of each value's scale block from its amax, round, cast;
     the first value of each scale block writes the block's ``d``. WHOLE_ROWS (per-tensor and
-    per-row scales: a block spans every column): one amax and its factors per row."""
+    per-row scales: a block spans every column): one amax and its factors per row. WRITE_T:
+    the values are also stored transposed, ``(cols, rows)`` row-major, at ``out_t_ptr``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -56,8 +61,10 @@ def _scale_cast_kernel(
     v = _round_grid(x * quant, x, ELEM_MAX, ELEM_EMIN, ELEM_MBITS, False, False)
     sign = x.to(tl.int32, bitcast=True) & -2147483648  # a value rounded to 0 keeps its sign
     v = ((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
-    tl.store(out_ptr + r64[:, None] * n_cols + c64[None, :], v.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    v = v.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r64[:, None] * n_cols + c64[None, :], v, mask=mask)
+    if WRITE_T:
+        tl.store(out_t_ptr + c64[None, :] * n_rows + r64[:, None], v, mask=mask)
     if WHOLE_ROWS:  # each column tile writes its rows' d (the same value)
         first = ((rows < n_rows) & (r64 % scale_rows == 0))[:, None]
     else:
@@ -72,12 +79,16 @@ def element_args(element) -> dict:
 
 
 def scale_and_cast(t: torch.Tensor, amax: torch.Tensor, block_rows: int, block_cols: int,
-                   element, dtype: torch.dtype):
+                   element, dtype: torch.dtype, with_transpose: bool = False):
     """``(data, d)``: ``round(t * (1/d))`` as ``dtype`` ``(rows, cols)`` and float32 ``d`` per
     ``block_rows x block_cols`` block, ``d`` made from ``amax`` (one value per block, any
-    float dtype) by the amax-scaling rule; ``t`` 2-D, any strides."""
+    float dtype) by the amax-scaling rule; ``t`` 2-D, any strides. ``with_transpose``:
+    ``(data, d, data_t)``, the same values also written ``(cols, rows)`` row-major by the
+    same pass (one scale per tensor: the operand of the GEMM that reduces along the other
+    axis)."""
     rows, cols = t.shape
     out = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    out_t = torch.empty(cols, rows, dtype=dtype, device=t.device) if with_transpose else out
     amax = amax.contiguous()
     scale = torch.empty(amax.shape, dtype=torch.float32, device=t.device)
     whole_rows = block_cols == cols
@@ -86,11 +97,11 @@ def scale_and_cast(t: torch.Tensor, amax: torch.Tensor, block_rows: int, block_c
     block, warps = (_BLOCK, 16) if whole_rows else (_BLOCK // 2, 4)
     grid = (cdiv(rows, block), cdiv(cols, block))
     _scale_cast_kernel[grid](
-        t, amax, out, scale, rows, cols, t.stride(0), t.stride(1), block_rows, block_cols,
-        amax.shape[1], BLOCK=block, WHOLE_ROWS=whole_rows, **element_args(element),
-        num_warps=warps, enable_fp_fusion=False,
+        t, amax, out, out_t, scale, rows, cols, t.stride(0), t.stride(1), block_rows,
+        block_cols, amax.shape[1], BLOCK=block, WHOLE_ROWS=whole_rows, WRITE_T=with_transpose,
+        **element_args(element), num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
-    return out, scale
+    return (out, scale, out_t) if with_transpose else (out, scale)
 
 
 @triton.jit

@@ -68,7 +68,7 @@ def kept_memory(args, context, formats_of) -> list[float]:
     layout, shape = context.layout, ModelShape.from_args(args)
     dtype = torch.bfloat16 if layout.bf16 else torch.float32
     real = executes_real(args.fp8_execution, GPU_CAPABILITY)
-    cached = layout.micro_batches > 1 and not args.no_cache_quantized_weights
+    cached = not args.no_cache_quantized_weights
     tokens = layout.seq * layout.micro_batch
     step, micro = [0.0] * len(context.stages), [0.0] * len(context.stages)
     for layer, stage in enumerate(context.layer_stages):
@@ -76,7 +76,7 @@ def kept_memory(args, context, formats_of) -> list[float]:
             geometry = site_geometry(shape, site, tokens, layout.tp, layout.sequence_parallel,
                                      layout.flash_attention)
             kept = kept_bytes(resolve(formats_of(site_id(layer, site))), geometry, dtype,
-                              real, cached)
+                              real, cached, layout.micro_batches)
             step[stage] += kept.per_step
             micro[stage] += kept.per_micro_batch
     return [s + context.held(k) * m for k, (s, m) in enumerate(zip(step, micro))]

@@ -77,11 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser, policies: policies_.PolicySet
                         "FP4 or MX tensor cores): their speed-ups are cost-model estimates")
     device_profile.add_argument(g)
     g.add_argument("--no-cache-quantized-weights", action="store_true",
-                   help="quantize a weight for fprop in every micro-batch; by default a step "
-                        "with several micro-batches quantizes it at the first and reuses it "
-                        "(bit for bit the same training): emulated weights that backward keeps "
-                        "anyway (128x128 blocks, per tensor) at no memory cost, real FP8 "
-                        "weights at one byte per weight while the step runs")
+                   help="quantize a weight in every GEMM that reads it; by default a step "
+                        "quantizes it once (bit for bit the same training): fprop's at the "
+                        "first of several micro-batches, reused by the rest (emulated weights "
+                        "that backward keeps anyway, 128x128 blocks or per tensor, at no "
+                        "memory cost; real FP8 ones at one byte per weight), and a real FP8 "
+                        "dgrad's q(w) along N (per tensor: fprop's transposed, written by "
+                        "the same cast) at one byte per weight until the step's last backward")
     g.add_argument("--override-precision-plan", action="store_true",
                    help="on --load, keep the flags' plan instead of the checkpoint's")
 
@@ -163,13 +165,15 @@ class PrecisionRun:
             print(describe(args.fp8_execution, _model_device(run.model)), flush=True)
         self.commit(state.iteration)
         run.checkpointer.register("precision_plan", self)
-        if args.num_microbatches > 1 and not args.no_cache_quantized_weights:
+        if not args.no_cache_quantized_weights:
             self.weight_reuse = WeightReuse(args.num_microbatches)
             cache_weights(run.model, self.weight_reuse)
             if dist.get_rank() == 0:
-                print(f"precision: fprop's quantized weights made once per step for its "
-                      f"{args.num_microbatches} micro-batches (--no-cache-quantized-weights: "
-                      "in every micro-batch)", flush=True)
+                what = (f"for its {args.num_microbatches} micro-batches (fprop's, and a real "
+                        "FP8 dgrad's along N)" if args.num_microbatches > 1 else
+                        "for fprop and a real FP8 dgrad")
+                print(f"precision: quantized weights made once per step {what} "
+                      "(--no-cache-quantized-weights: in every GEMM)", flush=True)
 
     def commit_step(self, args, run, state) -> None:
         if self.weight_reuse is not None:

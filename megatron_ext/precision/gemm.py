@@ -55,18 +55,21 @@ tensor-wide scale repeats its amax all-reduce there) — trading one more quanti
 the copy's memory. ŵ's gradient is dgrad's usual ``dw``; autograd routes it into the
 transform's own backward.
 
-**Weights once per step.** With a :class:`~.weight_cache.WeightCache` (the layer's, in runs
-with several micro-batches) fprop's quantized weight comes from the step's first
-micro-batch: the emulated one where dgrad reuses it (backward keeps it anyway), the real
-FP8 one always.
+**Weights once per step.** With a :class:`~.weight_cache.WeightCache` (the layer's) fprop's
+quantized weight comes from the step's first micro-batch: the emulated one where dgrad
+reuses it (backward keeps it anyway), the real FP8 one always; so does a real FP8 dgrad's
+``q(w)`` along N, which per tensor is fprop's transposed, written by the same cast.
 
 **Real FP8 GEMMs.** With ``real`` set (``--fp8-execution``), a GEMM whose two operands are
 both amax-scaled FP8 formats runs on FP8 data with ``torch._scaled_mm`` instead
-(:mod:`.real_gemm`), one GEMM at a time: a site may run fprop real and wgrad emulated. Its
-forward then keeps the unquantized weight, and dgrad quantizes it along N itself. Where an
-operand's format is axis-free (one scale per tensor, square blocks) its FP8 data serves both
-GEMMs that read it, transposed: the forward keeps ``q(x)`` in FP8 for wgrad instead of ``x``
-(half the bytes in BF16), and wgrad reuses dgrad's ``q(dy)``.
+(:mod:`.real_gemm`), one GEMM at a time: a site may run fprop real and wgrad emulated; fprop
+asks for fast accumulation. Its forward then keeps the unquantized weight, and dgrad's
+``q(w)`` along N comes from the cache or is quantized by dgrad. Where an operand's format is
+axis-free (one scale per tensor, square blocks) its FP8 data serves both GEMMs that read it,
+transposed, and the cast that makes it writes the transpose too
+(:func:`~megatron_ext.formats.fp8.to_fp8_pair`): the forward keeps ``q(x).T`` in FP8 for
+wgrad instead of ``x`` (half the bytes in BF16; under sequence parallelism its rows of
+``q(x)``, transposed by wgrad), and wgrad reads dgrad's ``q(dy).T``.
 
 The backward is *not* autograd of the quantized forward: with straight-through estimators
 autograd would reuse fprop's ``q(w)`` and ``q(x)`` along K, where the hardware GEMMs quantize
@@ -83,9 +86,8 @@ import torch.distributed as dist
 
 from megatron_ext.formats import Format, fake_quant
 from megatron_ext.formats.amax import finite_amax
-from megatron_ext.formats.fp8 import Fp8Operand, to_fp8
-from megatron_ext.precision.real_gemm import (axis_free, fp8_x_serves_wgrad, runs_real,
-                                              scaled_mm, transposed)
+from megatron_ext.formats.fp8 import Fp8Operand, to_fp8, to_fp8_pair, transposed
+from megatron_ext.precision.real_gemm import axis_free, fp8_x_serves_wgrad, runs_real, scaled_mm
 from megatron_ext.precision.site_formats import GemmOperands
 from megatron_ext.precision.weight_cache import WeightCache
 
@@ -149,14 +151,14 @@ class QuantizedGemm(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         wgrad_real = real and _wgrad_runs_real(ops, x2, weight)
         kept_x, fp8_x, x_quantized = x, (None, None), False
+        ctx.x_t = False  # whether the FP8 q(x) kept for wgrad is stored transposed
         if real and runs_real(ops.fprop_x, ops.fprop_w, x2, weight):
-            qx = _to_fp8(x2, ops.fprop_x, group)
-            qw = _cached(cache, ("fp8", ops.fprop_w), lambda: _to_fp8(weight, ops.fprop_w, group))
-            output = scaled_mm(qx, qw, x.dtype)
+            output, qx = _real_fprop(ctx, x2, weight, ops, group, cache,
+                                     wgrad_real and fp8_x_serves_wgrad(ops), seq_group is None)
             output = output.view(*x.shape[:-1], output.shape[-1])
-            kept_w = weight  # dgrad quantizes w itself (the same q(w) for square blocks)
-            if wgrad_real and fp8_x_serves_wgrad(ops):
-                kept_x, fp8_x = None, (qx.data, qx.scale)  # wgrad reads q(x): keep it in FP8
+            kept_w = weight  # dgrad's q(w) along N: the cache's, else quantized by dgrad
+            if qx is not None:  # wgrad reads q(x): keep it in FP8
+                kept_x, fp8_x = None, (qx.data, qx.scale)
         else:
             w_fprop = _cached(cache if ops.dgrad_reuses_fprop_w else None, ("fake", ops.fprop_w),
                               lambda: quantize(weight, ops.fprop_w, axis=1, group=group))
@@ -171,7 +173,7 @@ class QuantizedGemm(torch.autograd.Function):
         ctx.real, ctx.wgrad_real = real, wgrad_real
         ctx.w_quantized, ctx.x_quantized = kept_w is not weight, x_quantized
         ctx.rebuild = recompute.rebuild if recompute is not None else None
-        ctx.seq_group = seq_group
+        ctx.seq_group, ctx.cache = seq_group, cache
         if seq_group is not None:  # keep this rank's rows of the gathered x (or q(x))
             kept_x, fp8_x = _own_rows(kept_x, seq_group), (_own_rows(fp8_x[0], seq_group),
                                                            fp8_x[1])
@@ -192,9 +194,11 @@ class QuantizedGemm(torch.autograd.Function):
             grad_input = grad_input.view(*grad_output.shape[:-1], -1)
         if ctx.needs_input_grad[1]:
             qx = Fp8Operand(x8, x8_scale, ops.fprop_x) if x8 is not None else None
-            grad_weight = _wgrad(ctx, dy, qdy, x, qx)
+            grad_weight = _wgrad(ctx, dy, qdy, x, qx if qx is None or ctx.x_t else transposed(qx))
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
+        if ctx.cache is not None:
+            ctx.cache.end_backward()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
@@ -222,6 +226,47 @@ def _cached(cache: WeightCache | None, key: tuple, make):
     return make() if cache is None else cache.get(key, make)
 
 
+def _real_fprop(ctx, x2: torch.Tensor, weight: torch.Tensor, ops: GemmOperands, group,
+                cache: WeightCache | None, keep_x: bool, x_t: bool):
+    """``(y, q(x) for wgrad or None)``: fprop on FP8 data with fast accumulation. ``keep_x``:
+    wgrad reads fprop's ``q(x)``, kept in FP8; ``x_t``: kept transposed, written by the
+    same cast (not under sequence parallelism, whose backward gathers rows)."""
+    ctx.x_t = keep_x and x_t
+    qx, kept = (_to_fp8_pair(x2, ops.fprop_x, group) if ctx.x_t else
+                (_to_fp8(x2, ops.fprop_x, group),) * 2)
+    qw = _fp8_fprop_weight(weight, ops, group, cache, lambda: ctx.needs_input_grad[0]
+                           and _dgrad_runs_real(ops, x2, weight))
+    return scaled_mm(qx, qw, x2.dtype, fast_accum=True), kept if keep_x else None
+
+
+def _fp8_fprop_weight(weight: torch.Tensor, ops: GemmOperands, group,
+                      cache: WeightCache | None, dgrad_real: Callable[[], bool]) -> Fp8Operand:
+    """fprop's FP8 ``q(w)``, from the step's first forward where there is a ``cache``; where
+    a backward follows whose dgrad runs real (``dgrad_real()``) on the same values
+    transposed (the weight format axis-free in both GEMMs), that forward's cast writes the
+    transpose too, which the cache keeps for the step's backwards."""
+    def make():
+        if not (cache.backward_follows and ops.dgrad_reuses_fprop_w and dgrad_real()):
+            return _to_fp8(weight, ops.fprop_w, group)
+        qw, qw_t = _to_fp8_pair(weight, ops.fprop_w, group)
+        cache.keep_for_backward(("fp8", ops.dgrad_w), qw_t)
+        return qw
+
+    if cache is None:
+        return _to_fp8(weight, ops.fprop_w, group)
+    return cache.get(("fp8", ops.fprop_w), make)
+
+
+def _fp8_dgrad_weight(w: torch.Tensor, ops: GemmOperands, group,
+                      cache: WeightCache | None) -> Fp8Operand:
+    """dgrad's FP8 ``q(w)`` along N, ``(K, N)``: the cache's for the step (made with fprop's
+    or by the step's first dgrad), or quantized now."""
+    def make():
+        return _to_fp8(w.t(), ops.dgrad_w, group)
+
+    return make() if cache is None else cache.get_for_backward(("fp8", ops.dgrad_w), make)
+
+
 def _wgrad_runs_real(ops: GemmOperands, x2: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether wgrad's operands dy.T (N, T) and x.T (K, T) can run a real FP8 GEMM (their
     shapes, from the forward's ``x2 (T, K)`` and ``weight (N, K)``)."""
@@ -230,21 +275,40 @@ def _wgrad_runs_real(ops: GemmOperands, x2: torch.Tensor, weight: torch.Tensor) 
                      x2.as_strided((k, tokens), (0, 0)))
 
 
+def _dgrad_runs_real(ops: GemmOperands, x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether dgrad's operands dy (T, N) and w.T (K, N) can run a real FP8 GEMM (shapes as
+    in :func:`_wgrad_runs_real`)."""
+    tokens, k = x2.shape
+    n = weight.shape[0]
+    return runs_real(ops.dgrad_dy, ops.dgrad_w, x2.as_strided((tokens, n), (0, 0)),
+                     x2.as_strided((k, n), (0, 0)))
+
+
 def _to_fp8(t: torch.Tensor, fmt: Format, group) -> Fp8Operand:
     """``t`` in FP8 (:func:`~megatron_ext.formats.fp8.to_fp8`), TP shards scaled as wholes."""
     return to_fp8(t, fmt, whole_tensor_amax(t, fmt, group))
 
 
+def _to_fp8_pair(t: torch.Tensor, fmt: Format, group) -> tuple[Fp8Operand, Fp8Operand]:
+    """``t`` in FP8 and transposed (:func:`~megatron_ext.formats.fp8.to_fp8_pair`), one cast
+    for both GEMMs that read it; TP shards scaled as wholes."""
+    return to_fp8_pair(t, fmt, whole_tensor_amax(t, fmt, group))
+
+
 def _dgrad(ctx, dy: torch.Tensor, saved: torch.Tensor):
     """``(dx, q(dy))``: dx = q(dy) @ q(w) with ``dy`` flattened to ``(T, N)``, real FP8 where
-    the forward kept the unquantized weight and the formats allow (``q(dy)`` in FP8, kept
-    for wgrad), else emulated (``q(dy)`` fake-quantized where wgrad reuses it, else None)."""
+    the forward kept the unquantized weight and the formats allow (``q(dy)``: its FP8
+    transpose, written by the same cast, where a real wgrad reads it, else None), else
+    emulated (``q(dy)`` fake-quantized where wgrad reuses it, else None)."""
     ops = ctx.ops
     if ctx.real and not ctx.w_quantized:
         w = ctx.rebuild(saved) if ctx.rebuild is not None else saved
         if runs_real(ops.dgrad_dy, ops.dgrad_w, dy, w.t()):
-            qdy = _to_fp8(dy, ops.dgrad_dy, ctx.group)
-            return scaled_mm(qdy, _to_fp8(w.t(), ops.dgrad_w, ctx.group), dy.dtype), qdy
+            reuse_dy = ctx.wgrad_real and ops.wgrad_dy == ops.dgrad_dy and axis_free(ops.wgrad_dy)
+            qdy, qdy_t = (_to_fp8_pair(dy, ops.dgrad_dy, ctx.group) if reuse_dy else
+                          (_to_fp8(dy, ops.dgrad_dy, ctx.group), None))
+            qw = _fp8_dgrad_weight(w, ops, ctx.group, ctx.cache)  # None for a rebuilt ŵ
+            return scaled_mm(qdy, qw, dy.dtype), qdy_t
     qdy = quantize(dy, ops.dgrad_dy, -1, ctx.group)
     reused = qdy if not ctx.wgrad_real and ops.wgrad_reuses_dgrad_dy else None
     return torch.matmul(qdy, _dgrad_weight(ctx, saved)), reused
@@ -252,18 +316,16 @@ def _dgrad(ctx, dy: torch.Tensor, saved: torch.Tensor):
 
 def _wgrad(ctx, dy: torch.Tensor, qdy: Fp8Operand | torch.Tensor | None,
            x: torch.Tensor | None, qx: Fp8Operand | None) -> torch.Tensor:
-    """dw = q(dy).T @ q(x), both along T: real FP8 where the formats allow, reusing dgrad's
-    ``q(dy)`` and the forward's FP8 ``q(x)`` transposed where their formats are axis-free;
-    else emulated: dgrad's fake-quantized ``q(dy)`` and the forward's ``q(x)`` where they
+    """dw = q(dy).T @ q(x), both along T: real FP8 where the formats allow, reading dgrad's
+    ``q(dy)`` and the forward's FP8 ``q(x)``, both transposed already, where their formats are
+    axis-free; else emulated: dgrad's fake-quantized ``q(dy)`` and the forward's ``q(x)`` where they
     serve along T too (:func:`.site_formats.same_either_way`), otherwise dy.T (N, T) and
     x.T (K, T) quantized along their last dim (fake_quant does not transpose back)."""
     ops, group = ctx.ops, ctx.group
     x2 = x.contiguous().view(-1, x.shape[-1]) if x is not None else None
     if ctx.wgrad_real:
-        reuse_dy = (isinstance(qdy, Fp8Operand) and ops.wgrad_dy == ops.dgrad_dy
-                    and axis_free(ops.wgrad_dy))
-        a = transposed(qdy) if reuse_dy else _to_fp8(dy.t(), ops.wgrad_dy, group)
-        b = transposed(qx) if qx is not None else _to_fp8(x2.t(), ops.wgrad_x, group)
+        a = qdy if isinstance(qdy, Fp8Operand) else _to_fp8(dy.t(), ops.wgrad_dy, group)
+        b = qx if qx is not None else _to_fp8(x2.t(), ops.wgrad_x, group)
         return scaled_mm(a, b, dy.dtype)
     a = qdy.t() if isinstance(qdy, torch.Tensor) else quantize(dy.t(), ops.wgrad_dy, -1, group)
     b = x2 if ctx.x_quantized else quantize(x2.t(), ops.wgrad_x, -1, group).t()

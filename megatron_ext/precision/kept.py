@@ -10,8 +10,10 @@ formula) and the second in the model state. The quantized GEMM (:mod:`.gemm`) ke
   micro-batches a step, :mod:`.weight_cache`) the step's micro-batches share one copy; without
   it every micro-batch in flight holds its own. On the TinyLlama-1.1B shape this is the
   1.8 GiB by which ``uniform:fp8`` emulated peaked above BF16 on the H100 (28.4 vs 26.6 GiB).
-* **the FP8 weight** of a real FP8 fprop, with the weight cache: one byte a weight for the
-  step.
+* **the FP8 weights** of a real FP8 fprop, with the weight cache: one byte a weight for
+  fprop's ``q(w)`` while a step of several micro-batches runs its forwards, and one byte a
+  weight for dgrad's ``q(w)`` along N (fprop's transposed, per tensor) from the step's first
+  forward to its last backward, where dgrad runs real.
 * **q(x) in FP8** for a real FP8 wgrad whose ``x`` format is axis-free, instead of ``x``: one
   byte a value instead of two (BF16), a saving, except where ``x``'s producer keeps ``x``
   anyway (fused attention's output entering ``proj``), where the FP8 copy comes on top.
@@ -76,11 +78,11 @@ class KeptBytes:
 
 
 def kept_bytes(ops: GemmOperands, geometry: SiteGeometry, dtype: torch.dtype, real: bool,
-               cached: bool) -> KeptBytes:
+               cached: bool, micro_batches: int) -> KeptBytes:
     """What a site with operand formats ``ops`` keeps beyond megatron's linear in a run of
     parameters and activations in ``dtype``; ``real``: FP8 GEMMs run for real where their
     formats and shapes allow (:func:`~.real_gemm.fits_real`); ``cached``: the weight cache
-    is on."""
+    is on, for steps of ``micro_batches``."""
     g, size = geometry, dtype.itemsize
     weights = g.n * g.k
     if real and fits_real(ops.fprop_x, ops.fprop_w, g.tokens, g.k, g.n):
@@ -89,8 +91,10 @@ def kept_bytes(ops: GemmOperands, geometry: SiteGeometry, dtype: torch.dtype, re
         if wgrad_real and fp8_x_serves_wgrad(ops):
             x_values = g.kept_rows * g.k
             micro = x_values * (1 if g.producer_keeps_x else 1 - size)
-        return KeptBytes(float(weights) if cached else 0.0, micro)
+        dgrad_real = fits_real(ops.dgrad_dy, ops.dgrad_w, g.tokens, g.n, g.k)
+        copies = (micro_batches > 1) + dgrad_real if cached else 0
+        return KeptBytes(float(weights * copies), micro)
     if ops.dgrad_reuses_fprop_w and changes(ops.fprop_w, dtype):
         copy = float(weights * size)
-        return KeptBytes(copy, 0.0) if cached else KeptBytes(0.0, copy)
+        return KeptBytes(copy, 0.0) if cached and micro_batches > 1 else KeptBytes(0.0, copy)
     return KeptBytes()

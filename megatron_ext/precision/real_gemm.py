@@ -33,7 +33,10 @@ Numerics: per GEMM, the real product is the exact product of the FP8 values and 
 to the FP32 accumulator; the emulated one first rounds each ``q * d`` to the run's dtype.
 In an FP32 run the two agree to FP32 rounding (``q * d`` needs up to 25 significand bits);
 in a BF16 run the emulated GEMM rounds ``q * d`` to BF16, and the real one is the more
-accurate of the two. ``--fp8-execution`` picks the path per run (:func:`wants_real`).
+accurate of the two. fprop asks :func:`scaled_mm` for the tensor cores' fast accumulation,
+granted for per-tensor scales where the device's trial with it passes
+(:func:`fast_accumulates`; CPU ignores it); dgrad and wgrad accumulate as usual.
+``--fp8-execution`` picks the path per run (:func:`wants_real`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from functools import lru_cache
 import torch
 
 from megatron_ext.formats import Format, get_format
-from megatron_ext.formats.fp8 import FP8_DTYPES, Fp8Operand, block_shape, is_fp8_format, to_fp8
+from megatron_ext.formats.fp8 import (FP8_DTYPES, Fp8Operand, block_shape, is_fp8_format, to_fp8,
+                                      transposed)
 from megatron_ext.precision.site_formats import GemmOperands, same_either_way
 
 EXECUTION_CHOICES = ("auto", "real", "emulated")
@@ -130,12 +134,6 @@ def fp8_x_serves_wgrad(ops: GemmOperands) -> bool:
     return ops.wgrad_x == ops.fprop_x and axis_free(ops.fprop_x)
 
 
-def transposed(op: Fp8Operand) -> Fp8Operand:
-    """``op`` quantized along its other axis, for an :func:`axis_free` format: the same values
-    and scales, transposed (one byte a value copied instead of a second quantization)."""
-    return Fp8Operand(op.data.t().contiguous(), op.scale.t().contiguous(), op.fmt)
-
-
 def fp8_gemm(a: torch.Tensor, fmt_a: Format, b: torch.Tensor, fmt_b: Format,
              amax_a=None, amax_b=None) -> torch.Tensor:
     """``q(a) @ q(b).T`` on the FP8 tensor cores, in ``a``'s dtype (``a (M, R)``, ``b (N, R)``;
@@ -144,15 +142,29 @@ def fp8_gemm(a: torch.Tensor, fmt_a: Format, b: torch.Tensor, fmt_b: Format,
 
 
 def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype,
-              layout: int | None = None) -> torch.Tensor:
+              layout: int | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``(a.data * a.scale) @ (b.data * b.scale).T`` by ``torch._scaled_mm`` (layouts above;
     ``layout``: which of :func:`_scales`' candidates, by default the one :func:`supported`
-    found right on this device)."""
+    found right on this device). ``fast_accum``: ask for the tensor cores' fast FP8
+    accumulation (``use_fast_accum``; fprop's, as in Transformer Engine and torchao),
+    granted where :func:`fast_accumulates` (a given ``layout`` takes it as asked)."""
     if layout is None:
-        layout = supported(str(a.fmt), str(b.fmt), out_dtype, a.data.device)
+        fmt_a, fmt_b, device = str(a.fmt), str(b.fmt), a.data.device
+        fast_accum = fast_accum and fast_accumulates(fmt_a, fmt_b, out_dtype, device)
+        layout = supported(fmt_a, fmt_b, out_dtype, device, fast_accum)
     scale_a, scale_b = _scales(a, b)[layout or 0]
+    fast = {"use_fast_accum": True} if fast_accum else {}
     return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, **fast)
+
+
+@lru_cache(maxsize=None)
+def fast_accumulates(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a GEMM that asks for fast accumulation gets it: per-tensor scales (the fast
+    recipe; blockwise and per-row GEMMs accumulate as usual) whose :func:`supported` trial
+    with it comes out right on this device."""
+    return (_kind(get_format(fmt_a)) == "tensor"
+            and supported(fmt_a, fmt_b, dtype, device, True) is not None)
 
 
 def _scales(a: Fp8Operand, b: Fp8Operand) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -173,10 +185,11 @@ TRIALS: dict[tuple, list[str]] = {}
 
 
 @lru_cache(maxsize=None)
-def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) -> int | None:
+def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device,
+              fast_accum: bool = False) -> int | None:
     """The layout (index into :func:`_scales`) with which this device's ``_scaled_mm`` runs
-    ``fmt_a x fmt_b`` with ``dtype`` output and gets it right, or None (one 512x512x512 trial
-    per candidate against the float64 product; cached)."""
+    ``fmt_a x fmt_b`` with ``dtype`` output (and ``fast_accum``) and gets it right, or None
+    (one 512x512x512 trial per candidate against the float64 product; cached)."""
     fa, fb = get_format(fmt_a), get_format(fmt_b)
     gen = torch.Generator(device="cpu").manual_seed(0)
     steps = torch.arange(_TRIAL)  # block amaxes 2**0..2**7 apart: a misread layout shows
@@ -185,10 +198,10 @@ def supported(fmt_a: str, fmt_b: str, dtype: torch.dtype, device: torch.device) 
     b = (torch.randn(_TRIAL, _TRIAL, generator=gen) * spread.t()).to(device=device, dtype=dtype)
     qa, qb = to_fp8(a, fa), to_fp8(b, fb)
     ref = (_dequantized(qa) @ _dequantized(qb).t()).float()
-    seen = TRIALS.setdefault((fmt_a, fmt_b, dtype, str(device)), [])
+    seen = TRIALS.setdefault((fmt_a, fmt_b, dtype, str(device), fast_accum), [])
     for layout in range(len(_scales(qa, qb))):
         try:
-            out = scaled_mm(qa, qb, dtype, layout).float()
+            out = scaled_mm(qa, qb, dtype, layout, fast_accum).float()
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             seen.append(f"{type(exc).__name__}: {str(exc)[:300]}")
             continue
@@ -224,5 +237,6 @@ def describe(mode: str, device: torch.device) -> str:
 
 
 __all__ = ["EXECUTION_CHOICES", "FP8_DTYPES", "axis_free", "describe", "executes_real",
+           "fast_accumulates",
            "fits_real", "fp8_gemm", "fp8_x_serves_wgrad", "runs_real", "scaled_mm", "supported",
            "transposed", "wants_real"]

@@ -119,3 +119,21 @@ def test_tp2_weights_quantized_once_per_step_with_tensor_wide_scales(tmp_path):
 
     cached = run("cached")
     assert len(cached) == 2 and cached == run("plain", "--no-cache-quantized-weights")
+
+
+def test_pp2_real_fp8_weights_and_transposes_once_per_step(tmp_path):
+    """PP=2, four micro-batches a step in megatron's 1F1B schedule (stage 0 runs two forwards
+    before its first backward), real per-tensor FP8: the weights and their transposes made
+    once a step train bit for bit as quantizing them in every GEMM. Four steps: the first
+    update is zero (warm-up), so step 4's loss is the first a stale transposed weight would
+    move (it does, with the cache's guards against a stale entry taken out)."""
+    def run(name, *flags):
+        run_dir = tmp_path / name
+        launch_precision([*FAST, *ALIGNED, "--train-iters", 4, "--no-save", "--run-dir",
+                          run_dir, "--precision", "uniform:fp8_e4m3", "--fp8-execution",
+                          "real", "--pipeline-model-parallel-size", 2, *flags], nproc=2)
+        with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+    cached = run("cached")
+    assert len(cached) == 4 and cached == run("plain", "--no-cache-quantized-weights")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_ext.formats import fake_quant, get_format, quantize
-from megatron_ext.formats.fp8 import FP8_DTYPES, is_fp8_format, to_fp8
+from megatron_ext.formats.fp8 import FP8_DTYPES, is_fp8_format, to_fp8, to_fp8_pair
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3@row", "fp8_e5m2@row", "fp8_e4m3@tile128",
            "fp8_e4m3@block128", "fp8_e5m2@tile128"]
@@ -55,6 +55,26 @@ def test_what_is_not_an_fp8_operand_is_refused():
         to_fp8(torch.ones(16, 16), get_format("mxfp8"))
     with pytest.raises(ValueError, match="do not divide"):
         to_fp8(torch.ones(16, 200), get_format("fp8_e4m3@tile128"))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3@block128"])
+def test_a_pair_is_the_operand_quantized_along_either_axis(name):
+    """An axis-free format: the pair's second operand is the first's values quantized along
+    the other axis (to_fp8 of the transpose), bit for bit; a shard's tensor amax is used."""
+    fmt, x = get_format(name), _input(256, 384, torch.bfloat16)
+    for amax in (None, torch.tensor(3 * x.float().abs().max().item())):
+        if amax is not None and fmt.scaling.cols is not None:
+            continue  # blocks: no tensor amax
+        first, second = to_fp8_pair(x, fmt, amax)
+        for got, ref in ((first, to_fp8(x, fmt, amax)), (second, to_fp8(x.t(), fmt, amax))):
+            assert got.data.is_contiguous() and got.data.shape == ref.data.shape
+            assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+            assert torch.equal(got.scale, ref.scale)
+
+
+def test_a_pair_of_a_format_that_minds_the_axis_is_refused():
+    with pytest.raises(ValueError, match="another quantization"):
+        to_fp8_pair(torch.ones(32, 64), get_format("fp8_e4m3@row"))
 
 
 def test_the_one_pass_kernel_takes_tiles_blocks_and_short_row_major_rows():

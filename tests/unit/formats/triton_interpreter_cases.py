@@ -159,6 +159,25 @@ def test_fp8_scale_and_cast_kernel_equals_the_torch_path(name, transposed):
     assert torch.equal(scale, ref.scale)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(128, 256), (48, 80)])
+def test_fp8_scale_and_cast_writes_the_transpose_in_the_same_pass(transposed, shape):
+    """Per tensor: the values quantized along the other axis are these, transposed."""
+    from megatron_ext.formats import fp8, triton_fp8
+
+    fmt = get_format("fp8_e4m3")
+    x = special_input(shape, torch.bfloat16)
+    x[1, 1], x[2, 2] = 1.0, -2.0  # finite: to_fp8's amax is not finite-filtered
+    operand = x.t().contiguous().t() if transposed else x
+    ref = fp8.to_fp8(operand.t(), fmt)  # the torch path, along the other axis
+    amax = fp8._block_amax(operand, *shape)
+    data, scale, data_t = triton_fp8.scale_and_cast(operand, amax, *shape, fmt.element,
+                                                    ref.data.dtype, with_transpose=True)
+    assert torch.equal(data_t.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(data.view(torch.uint8), ref.data.t().view(torch.uint8))
+    assert torch.equal(scale, ref.scale)
+
+
 @pytest.mark.parametrize("name,transposed,shape", [
     ("fp8_e4m3@tile128", False, (256, 256)), ("fp8_e5m2@tile128", True, (256, 256)),
     ("fp8_e4m3@block128", False, (256, 256)), ("fp8_e4m3@block128", True, (256, 256)),

@@ -85,6 +85,22 @@ def test_per_tensor_to_fp8s_two_passes_are_timed_apart(monkeypatch):
                    "amax x clone": 2.0, "cast x clone": 1.0}
 
 
+def test_the_pair_row_holds_both_layouts_to_the_cpu_path(monkeypatch):
+    """``to_fp8_pair``'s row: both operands against ``to_fp8`` along either axis (here the
+    CPU path on both sides), and a pair without the transpose is caught."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import gpu_sections
+    from megatron_ext.formats import fp8
+
+    monkeypatch.setattr(gpu_sections, "_time", lambda fn: (fn(), 3e-3)[1])
+    x = torch.randn(32, 48).bfloat16()
+    assert gpu_sections._pair(x, x, clone_s=1e-3) == {
+        "format": "to_fp8_pair fp8_e4m3 (both layouts)", "dtype": "bfloat16",
+        "bit_identical": True, "x_clone": 3.0}
+    monkeypatch.setattr(fp8, "to_fp8_pair", lambda t, fmt: (fp8.to_fp8(t, fmt),) * 2)
+    assert gpu_sections._pair(x, x, clone_s=1e-3)["bit_identical"] is False
+
+
 def test_pytest_outcomes_name_the_failures_of_a_cut_off_run():
     sys.path.insert(0, str(REPO))
     from benchmarks.gpu_sections import pytest_outcomes

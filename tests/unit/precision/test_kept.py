@@ -52,7 +52,9 @@ def _held_bytes(chunks) -> int:
         tokens = torch.randint(0, 512, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         chunks[0](tokens, torch.arange(SEQ).expand(BATCH, SEQ), None)
     for module in quantized_linears(chunks).values():
-        for entry in (module.weight_cache.entries.values() if module.weight_cache else ()):
+        cache = module.weight_cache
+        for entry in ([*cache.entries.values(), *cache.backward_entries.values()] if cache
+                      else ()):
             saved.extend(entry[:2] if isinstance(entry, Fp8Operand) else [entry])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
     for param in chunks[0].parameters():
@@ -65,7 +67,7 @@ def _estimate(args, formats: SiteFormats, real: bool, cached: bool) -> float:
     total = 0.0
     for site in ("qkv", "proj", "fc1", "fc2"):
         geometry = site_geometry(shape, site, SEQ * BATCH, 1, False, fused_attention=True)
-        kept = kept_bytes(resolve(formats), geometry, torch.float32, real, cached)
+        kept = kept_bytes(resolve(formats), geometry, torch.float32, real, cached, 2)
         total += kept.per_step + kept.per_micro_batch
     return total * args.num_layers
 
@@ -105,7 +107,9 @@ def test_sequence_parallel_keeps_a_column_layers_rows_and_fp8_halves_x():
     assert geo["fc2"] == SiteGeometry(2048, 512, 256, 2048, False)
     ops = resolve(FP8_TENSOR)
     bf16 = torch.bfloat16
-    assert kept_bytes(ops, geo["qkv"], bf16, True, False) == KeptBytes(0.0, -512 * 512)
-    assert kept_bytes(ops, geo["proj"], bf16, True, True) == KeptBytes(512 * 128, 2048 * 128)
-    assert kept_bytes(ops, geo["fc2"], bf16, False, False) == KeptBytes(0.0, 512 * 256 * 2)
-    assert kept_bytes(ops, geo["fc2"], bf16, False, True) == KeptBytes(512 * 256 * 2, 0.0)
+    assert kept_bytes(ops, geo["qkv"], bf16, True, False, 2) == KeptBytes(0.0, -512 * 512)
+    # the weight cache: fprop's q(w) and dgrad's (its transpose), one byte a weight each
+    assert kept_bytes(ops, geo["proj"], bf16, True, True, 2) == KeptBytes(2 * 512 * 128, 2048 * 128)
+    assert kept_bytes(ops, geo["proj"], bf16, True, True, 1) == KeptBytes(512 * 128, 2048 * 128)
+    assert kept_bytes(ops, geo["fc2"], bf16, False, False, 2) == KeptBytes(0.0, 512 * 256 * 2)
+    assert kept_bytes(ops, geo["fc2"], bf16, False, True, 2) == KeptBytes(512 * 256 * 2, 0.0)

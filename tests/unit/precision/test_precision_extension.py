@@ -145,10 +145,13 @@ def test_changed_sites_wait_for_the_next_logged_step():
     assert "precision_changed_sites" not in precision.on_step(None, logged, None)
 
 
-def test_weights_quantized_once_per_step_train_and_evaluate_the_same(tmp_path):
+@pytest.mark.parametrize("precision", [["uniform:fp8"], ["uniform:fp8_e4m3", "--fp8-execution",
+                                                         "real"]], ids=["blockwise", "real"])
+def test_weights_quantized_once_per_step_train_and_evaluate_the_same(tmp_path, precision):
     # FAST has 4 micro-batches a step; evaluation after every step: a cached weight of the
-    # last step (or of the evaluation) would change the next step's loss
-    flags = ["--no-save", "--precision", "uniform:fp8", "--eval-interval", "1",
+    # last step (or of the evaluation) would change the next step's loss. Real per tensor:
+    # fprop's FP8 weight and dgrad's transpose of it, from one cast a step
+    flags = ["--no-save", "--precision", *precision, "--eval-interval", "1",
              "--eval-iters", "1"]
     cached, proc = _train(tmp_path, "cached", *flags)
     plain, plain_proc = _train(tmp_path, "plain", *flags, "--no-cache-quantized-weights")

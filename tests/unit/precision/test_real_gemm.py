@@ -168,5 +168,5 @@ def test_an_axis_free_x_is_kept_for_wgrad_in_fp8(case, fp8_kept):
     fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
     assert bool(fp8) == fp8_kept
     assert any(t is x for t in saved) != fp8_kept
-    if fp8_kept:
-        assert fp8[0].shape == (S * B, K)
+    if fp8_kept:  # kept transposed: wgrad's operand, written by fprop's cast
+        assert fp8[0].shape == (K, S * B)
