@@ -122,8 +122,8 @@ def checked(profile: DeviceProfile, where: str = "device profile") -> DeviceProf
     """``profile`` if every number is finite and in range and every native key a format or
     class; ``UsageError`` naming the first problem otherwise."""
     def number(value, what, positive=True):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or value < 0 or (positive and value == 0):
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value < 0 or (positive and value == 0)):
             raise UsageError(f"{where}: {what} must be a {'positive' if positive else '>= 0'} "
                              f"number, got {value!r}")
 

@@ -32,8 +32,8 @@ from megatron_ext.precision.device_profile import CLASS_KEY, DeviceProfile, chec
 
 def _positive(row: dict, key: str, where: str) -> float:
     value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value <= 0:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
         raise ValueError(f"{where}: {key} must be a positive number, got {value!r}")
     return float(value)
 

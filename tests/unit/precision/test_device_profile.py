@@ -105,8 +105,8 @@ def test_site_cost_by_hand_native_and_emulated():
     t, g = SHAPE.tokens, 2.0 * SHAPE.tokens * n * k
     elements = 2 * (t * k + n * k + t * n)  # each operand of each of the three GEMMs
     for profile in (PROFILES["h100"], PROFILES["b200"]):
-        r, qs, es = profile.bf16_flops_per_s, profile.quantize_s_per_element, \
-            profile.emulate_s_per_element
+        r, qs, es = (profile.bf16_flops_per_s, profile.quantize_s_per_element,
+                     profile.emulate_s_per_element)
         assert site_cost(SHAPE, "fc1", BF16, profile=profile).seconds == pytest.approx(3 * g / r)
         fp8 = site_cost(SHAPE, "fc1", FP8, profile=profile)
         assert fp8.seconds == pytest.approx(3 * g / (2 * r) + qs * elements)
@@ -152,8 +152,8 @@ def test_an_emulated_format_is_never_faster_than_bf16(tmp_path):
         snip = _snip_plan(PROFILES["b200"])
         assert any(f == FP4 for f in snip.sites.values())
         without = PrecisionPlan({s: (BF16 if f == FP4 else f) for s, f in snip.sites.items()})
-        assert flop_report(snip.formats, SHAPE, profile=profile).time_vs_bf16 >= \
-            flop_report(without.formats, SHAPE, profile=profile).time_vs_bf16
+        assert (flop_report(snip.formats, SHAPE, profile=profile).time_vs_bf16
+                >= flop_report(without.formats, SHAPE, profile=profile).time_vs_bf16)
 
 
 def test_the_printed_estimate_follows_the_profile_file(tmp_path):
@@ -203,8 +203,8 @@ def test_profile_from_a_measured_gemm_table(tmp_path):
     assert profile.name == "H100 x" and profile.source.startswith("measured")
     assert resolve(_json(tmp_path, profile, "m")) == profile
     unknown = profile_from_gemm(_table(), measurement_base("Some GPU"), "x")
-    assert unknown.rate("fp8_e4m3@row") is None and unknown.rate("fp8_e4m3") == \
-        pytest.approx(1.6)
+    assert unknown.rate("fp8_e4m3@row") is None
+    assert unknown.rate("fp8_e4m3") == pytest.approx(1.6)
     with pytest.raises(ValueError, match="empty"):
         profile_from_gemm([], PROFILES["h100"], "x")
     with pytest.raises(ValueError, match="bf16_s must be a positive"):
@@ -257,16 +257,16 @@ def _snip_plan(profile, budget=0.5) -> PrecisionPlan:
 def _brute_force(profile, budget):
     """The least-Q choice by enumeration, times written out from the profile's fields (not the
     cost model), FP4 target ``budget``, time cap B of docs/snip.md."""
-    r, qs, es = profile.bf16_flops_per_s, profile.quantize_s_per_element, \
-        profile.emulate_s_per_element
+    r, qs, es = (profile.bf16_flops_per_s, profile.quantize_s_per_element,
+                 profile.emulate_s_per_element)
     sites = [(layer, s) for layer in range(SHAPE.num_layers) for s in SITES]
     times, flops = [], []
     for _, s in sites:
         n, k = SHAPE.site_nk(s)
         t, g = SHAPE.tokens, 2.0 * SHAPE.tokens * n * k
         moved = 2 * (t * k + n * k + t * n)
-        fp4 = 3 * g / (r * profile.rate("mxfp4")) + qs * moved if profile.rate("mxfp4") \
-            else 3 * g / r + es * moved
+        fp4 = (3 * g / (r * profile.rate("mxfp4")) + qs * moved if profile.rate("mxfp4")
+               else 3 * g / r + es * moved)
         times.append([3 * g / (2 * r) + qs * moved, fp4, 3 * g / r])
         flops.append(3 * g)
     bound = sum(min(t[0], t[2]) - budget * (min(t[0], t[2]) - min(t)) for t in times)

@@ -58,12 +58,12 @@ def test_each_row_is_estimated_on_the_calibrated_profile(tmp_path):
 
 
 def test_missing_inputs_are_one_line(tmp_path):
-    assert compare(tmp_path, [{"config": "fp8", "step ms": 1.0}]) == \
-        {"error": "no measured bf16 row to calibrate on"}
+    found = compare(tmp_path, [{"config": "fp8", "step ms": 1.0}])
+    assert found == {"error": "no measured bf16 row to calibrate on"}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_estimates.py"),
                            str(tmp_path)], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and \
-        proc.stderr.count("\n") == 1
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
 
 
 def test_gpu_check_writes_the_profile_its_gemm_table_gives(tmp_path):
