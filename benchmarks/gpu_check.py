@@ -53,6 +53,9 @@ large square one."""
 TRAIN_CONFIGS = {
     "bf16": [],
     "bf16 micro-batch 8 global 64": ["--micro-batch-size", "8", "--global-batch-size", "64"],
+    "fp8 per-tensor real micro-batch 8 global 64": [
+        "--precision", "uniform:fp8_e4m3", "--fp8-execution", "real",
+        "--micro-batch-size", "8", "--global-batch-size", "64"],
     "uniform:fp8 real": ["--precision", "uniform:fp8", "--fp8-execution", "real"],
     "uniform:fp8 emulated": ["--precision", "uniform:fp8", "--fp8-execution", "emulated"],
     "fp8 per-tensor real": ["--precision-plan", "{fp8_tensor_plan}", "--fp8-execution", "real"],
@@ -74,6 +77,8 @@ TRAIN_CONFIGS = {
     "fp8 per-tensor real hidden 4096": ["--model", "llama2-7b", "--num-layers", "8",
                                         "--precision", "uniform:fp8_e4m3",
                                         "--fp8-execution", "real"],
+    "uniform:fp8 real hidden 4096": ["--model", "llama2-7b", "--num-layers", "8",
+                                     "--precision", "uniform:fp8", "--fp8-execution", "real"],
     "uniform:fp8 real 2 micro-batches": ["--precision", "uniform:fp8", "--fp8-execution", "real",
                                          "--micro-batch-size", "1"],
     "uniform:fp8 real 2 micro-batches no cache": [
