@@ -5,10 +5,11 @@ Layout of ``--save DIR``::
     DIR/iter_0000100/                  one dist_checkpointing checkpoint (any rank layout)
     DIR/latest_checkpointed_iteration.txt
 
-A save goes to ``DIR/.tmp_iter_N`` and is renamed into place only when every rank has
-finished (and ``checksums.json`` is written); the ``latest`` pointer is replaced atomically
-last, so a crash mid-save leaves the previous checkpoint and pointer untouched. With
-``--save-retain N`` older checkpoints are removed after that, keeping the newest N. Before a save
+A save goes to ``DIR/.tmp_iter_N`` (one folder: every rank's must agree) and is renamed into
+place only when every rank has finished, ``checksums.json`` is written and every rank sees
+every file it lists; the ``latest`` pointer is replaced atomically last, so a crash mid-save
+leaves the previous checkpoint and pointer untouched. With ``--save-retain N`` older
+checkpoints are removed after that, keeping the newest N. Before a save
 every rank's step counter, data position and extension states must agree (faults); before a
 load the checksums are verified and no file may hold pickled code (checkpoint_integrity).
 
@@ -37,7 +38,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
+from megatron_ext.training.checkpoint_integrity import (check_one_folder, verify_checkpoint,
+                                                       verify_saved, write_manifest)
 from megatron_ext.errors import UsageError
 from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
 from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_optimizer_state,
@@ -271,6 +273,7 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}")
     rank0 = dist.get_rank() == 0
+    check_one_folder(save_dir)
     with _failed_save_removed(tmp, rank0, iteration):
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -279,6 +282,7 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
         dist_checkpointing.save(state, tmp)
         dist.barrier()
         write_manifest(tmp)  # sha256 of every file, verified on load
+        verify_saved(tmp)  # every rank sees every listed file before "saved"
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

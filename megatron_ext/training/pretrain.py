@@ -24,6 +24,7 @@ from megatron_ext.training.layer_impl import resolve_transformer_impl, \
 from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
 from megatron_ext.training.peers import peer_loss_reported
+from megatron_ext.training.run_dir import claim_run_dir
 from megatron_ext.errors import UsageError
 
 
@@ -66,6 +67,7 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     from megatron_ext.training.loop import TrainState
 
     distributed.initialize(args)
+    claim_run_dir(args)  # rank 0's folder for every rank, locked (training/run_dir.py)
     tokenizer, train_ds, valid_ds = data.build_data(args)
     args.padded_vocab_size = model.padded_vocab_size(model.vocab_size(tokenizer, args), args)
     config = model.transformer_config(args)
@@ -161,7 +163,7 @@ def main(family: str, extensions: list[ext.Extension] = ()) -> int:
         with peer_loss_reported():  # a dead or stalled rank: one line (training/peers.py)
             pretrain(family, extensions=extensions)
     except UsageError as exc:
-        if resolve_launch().rank == 0:
+        if resolve_launch().rank == 0 or getattr(exc, "every_rank", False):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, the shell's status for SIGINT

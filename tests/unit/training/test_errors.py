@@ -79,6 +79,20 @@ CASES = {
                                                   "--keep-first-last-layers-bf16", "10"], 1,
                                                  "--keep-first-last-layers-bf16 10: the model "
                                                  "has 4 layers"),
+    # operations round 3 (issue 41)
+    "rotary base zero": (["--rotary-base", "0"], 1, "--rotary-base 0 must be positive"),
+    "norm epsilon negative": (["--norm-epsilon=-1"], 1, "--norm-epsilon -1 must be positive"),
+    "init std negative": (["--init-method-std=-0.02"], 1, "--init-method-std -0.02 must be "
+                                                          "positive"),
+    "vocab padding zero": (["--make-vocab-size-divisible-by", "0"], 1,
+                           "--make-vocab-size-divisible-by 0 must be positive"),
+    "no-save with save": (["--no-save", "--save", "X"], 1, "--no-save and --save X exclude"),
+    "empty run dir": (["--run-dir", ""], 1, "--run-dir '': give a folder"),
+    "empty save": (["--save", ""], 1, "--save '': give a folder"),
+    "sequence no machine holds": (["--seq-length", "100000000"], 1,
+                                  "--seq-length 100000000, --micro-batch-size 8"),
+    "steps whose index no machine holds": (["--train-iters", str(10**12)], 1,
+                                           f"--train-iters {10**12} x --global-batch-size 8"),
 }
 
 
