@@ -20,7 +20,8 @@ What megatron-core does with the arguments of ``build_datasets``:
   ``tokens``/``labels`` (shifted by one), ``loss_mask`` and ``position_ids``. No
   ``attention_mask`` key is produced (``create_attention_mask=False``): attention is causal.
 * The sample indices are cached as ``.npy`` files in ``cache_dir`` (default: a ``cache``
-  directory next to each dataset) and reused by later runs with the same arguments.
+  directory next to each dataset) and reused by later runs with the same arguments and the
+  same data files (a dataset preprocessed again rebuilds its indices: ``index_cache``).
 * ``mock=True`` builds megatron's ``MockGPTDataset`` (synthetic ``1, 2, 3, ...`` documents)
   and needs no files; megatron then ignores ``split`` and uses ``"1,1,1"``.
 
@@ -36,6 +37,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 
 from megatron_ext.data.checks import (SPLIT_NAMES, check_indexed_dataset, check_token_ids,
                                       empty_splits, parse_data_path)
+from megatron_ext.data.index_cache import drop_stale_indices
 from megatron_ext.data.tokenizer import Tokenizer
 
 
@@ -64,9 +66,12 @@ def build_datasets(
         raise ValueError("build_datasets needs a data_path (Megatron --data-path) or mock=True")
     else:
         blend = parse_data_path(data_path)
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         for prefix in blend[0]:
             check_indexed_dataset(prefix)
             check_token_ids(prefix, tokenizer.vocab_size, tokenizer.path)
+            if rank0:  # before megatron-core builds (on rank 0 first) or reads its cache
+                drop_stale_indices(prefix, cache_dir)
     unbuilt = [] if mock else _unneeded_empty_splits(blend[0], split, num_samples)
     config = GPTDatasetConfig(
         random_seed=seed,
