@@ -32,6 +32,8 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix, parse_and_normalize_split)
 from megatron.core.datasets.indexed_dataset import DType, get_bin_path, get_idx_path
 
+from megatron_ext.io import why_not_a_file
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
 
@@ -92,7 +94,8 @@ def check_indexed_dataset(prefix: str) -> None:
     idx, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx, bin_path):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"dataset file not found: {path} (data path {prefix!r})")
+            raise FileNotFoundError(f"dataset file {why_not_a_file(path)}: {path} (data path "
+                                    f"{prefix!r})")
     idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_path)
     dtype, sequences, documents = _read_header(idx, idx_size)
     itemsize = dtype.itemsize
