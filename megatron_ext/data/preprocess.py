@@ -130,6 +130,10 @@ def preprocess(config: PreprocessConfig, log: TextIO | None = sys.stderr) -> Pre
             + ", ".join(f"{prefix}.bin/.idx" for prefix in prefixes.values()),
             file=log,
         )
+    if log is not None and progress.docs and not writer.num_tokens:
+        print(f"warning: {progress.docs} documents but 0 tokens: every text under "
+              f"--json-keys {' '.join(config.json_keys)} is empty (and --append-eod is off); "
+              "nothing here can be trained on", file=log)
     return PreprocessResult(prefixes, progress.docs, writer.num_tokens, seconds)
 
 

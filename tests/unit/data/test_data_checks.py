@@ -127,3 +127,13 @@ def test_a_folder_where_a_file_is_expected_is_named_as_such(byte_dataset, tmp_pa
     with pytest.raises(FileNotFoundError, match=r"^input file is a folder, not a file: "):
         preprocess(PreprocessConfig(input=str(tmp_path), output_prefix=str(tmp_path / "o")),
                    log=None)
+
+
+def test_an_empty_train_split_advises_a_larger_train_weight(byte_dataset):
+    from megatron_ext.data.checks import empty_splits
+
+    prefix = byte_dataset("two", ["one", "two"])
+    (index, reason), = empty_splits(prefix, "1,1000,0")
+    assert index == 0 and reason.endswith("it needs 501 or more (or a larger train weight)")
+    (index, reason), = empty_splits(prefix, "1000,1,0")
+    assert index == 1 and reason.endswith("(or a --split whose validation weight is 0)")
