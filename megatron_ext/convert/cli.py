@@ -127,6 +127,22 @@ def _verify_under_torchrun(nproc: int, argv: list[str]) -> float | None:
             return json.load(f)["max_abs_diff"]
 
 
+def _same_architecture(spec, hf_dir: str) -> None:
+    """``UsageError`` naming the first field where ``hf_dir``'s config.json describes another
+    model than the checkpoint's spec (its logits could not be compared)."""
+    import dataclasses
+
+    from megatron_ext.convert.spec import spec_from_hf_config
+    from megatron_ext.io import read_json
+
+    path = os.path.join(hf_dir, "config.json")
+    theirs = dataclasses.asdict(spec_from_hf_config(read_json(path), spec.dtype)[0].arch)
+    for field, ours in dataclasses.asdict(spec.arch).items():
+        if theirs.get(field) != ours:
+            raise UsageError(f"--hf-dir: '{path}' describes another model than --load: "
+                             f"{field} {theirs.get(field)} there, {ours} in the checkpoint")
+
+
 def _verify(args, argv) -> int:
     from megatron_ext.convert.spec import find_spec
     from megatron_ext.convert.verify import verify, write_result
@@ -136,6 +152,7 @@ def _verify(args, argv) -> int:
         raise UsageError(f"--hf-dir: no config.json in '{args.hf_dir}'")
     ckpt_dir = resolve_checkpoint_dir(args.load, args.load_unverified)
     spec = find_spec(ckpt_dir, args.model_config)
+    _same_architecture(spec, args.hf_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     launch = resolve_launch()
     if tp * pp > 1 and launch.world_size == 1:

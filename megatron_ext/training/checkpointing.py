@@ -191,7 +191,7 @@ class Checkpointer:
                 allocate_adam_state(self.optimizer)
             request = {"model": self._model_state()} if weights_only \
                 else self._sharded_state(True, same_layout, common.get("optimizer"))
-            _check_model_shapes(request["model"], path)  # another model: said first
+            check_model_shapes(request["model"], path)  # another model: said first
             _check_not_past(common, weights_only, train_iters, path)
             loaded = dist_checkpointing.load(request, path)
         except UsageError:
@@ -240,7 +240,7 @@ def _first_line(exc: BaseException) -> str:
     return line if len(line) <= 200 else line[:200] + "..."
 
 
-def _check_model_shapes(model_sd: dict, path: str) -> None:
+def check_model_shapes(model_sd: dict, path: str) -> None:
     """megatron loads some tensors (embeddings) with ``allow_shape_mismatch``: a checkpoint of
     another vocabulary or width would load truncated or zero-padded, silently. Refuse it."""
     saved = dist_checkpointing.load_tensors_metadata(path)
