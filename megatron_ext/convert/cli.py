@@ -127,20 +127,25 @@ def _verify_under_torchrun(nproc: int, argv: list[str]) -> float | None:
             return json.load(f)["max_abs_diff"]
 
 
-def _same_architecture(spec, hf_dir: str) -> None:
-    """``UsageError`` naming the first field where ``hf_dir``'s config.json describes another
-    model than the checkpoint's spec (its logits could not be compared)."""
-    import dataclasses
+SHAPE_FIELDS = ("family", "vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
+                "num_attention_heads", "num_query_groups")
+"""What fixes the weights' shapes: a Hugging Face model that differs in one cannot be
+compared (one that differs elsewhere -- RoPE scaling, the GeLU -- is, and fails on its logits)."""
 
+
+def _same_architecture(spec, hf_dir: str) -> None:
+    """``UsageError`` naming the first :data:`SHAPE_FIELDS` field where ``hf_dir``'s
+    config.json describes another model than the checkpoint's spec, before either is loaded."""
     from megatron_ext.convert.spec import spec_from_hf_config
     from megatron_ext.io import read_json
 
     path = os.path.join(hf_dir, "config.json")
-    theirs = dataclasses.asdict(spec_from_hf_config(read_json(path), spec.dtype)[0].arch)
-    for field, ours in dataclasses.asdict(spec.arch).items():
-        if theirs.get(field) != ours:
+    hf_arch = spec_from_hf_config(read_json(path), spec.dtype)[0].arch
+    for field in SHAPE_FIELDS:
+        theirs, ours = getattr(hf_arch, field), getattr(spec.arch, field)
+        if theirs != ours:
             raise UsageError(f"--hf-dir: '{path}' describes another model than --load: "
-                             f"{field} {theirs.get(field)} there, {ours} in the checkpoint")
+                             f"{field} {theirs} there, {ours} in the checkpoint")
 
 
 def _verify(args, argv) -> int:

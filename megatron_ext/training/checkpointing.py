@@ -51,6 +51,9 @@ from megatron_ext.training.optimizer import allocate_adam_state, restore_adam_st
 from megatron_ext.training.schedule_resume import group_schedule, restore, saved_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
+CONVERTED_SPEC = "megatron_model.json"
+"""File name of the model spec ``convert_checkpoint.py hf-to-megatron`` writes beside the
+checkpoint: its folder is a converted model, never resumed in place."""
 
 
 class StateProvider(Protocol):
@@ -112,8 +115,10 @@ def resume_in_place(load: str | None, finetune: bool) -> tuple[str | None, str |
     ``--load``: ``--load ROOT`` (a save root: go on from its latest checkpoint) saves into ROOT
     and logs into the run folder above it (the one with ``args.json``: ``runs/<ts>``).
     ``(run_dir or None, save root or None)``; (None, None) for one ``iter_*`` folder (a branch
-    from an older checkpoint), ``--finetune`` or no ``--load``."""
-    if not load or finetune or not os.path.isfile(os.path.join(load, TRACKER)):
+    from an older checkpoint), a converted model (``hf-to-megatron``'s folder: the run gets
+    its own), ``--finetune`` or no ``--load``."""
+    converted = bool(load) and os.path.isfile(os.path.join(load, CONVERTED_SPEC))
+    if not load or finetune or converted or not os.path.isfile(os.path.join(load, TRACKER)):
         return None, None
     parent = os.path.dirname(os.path.abspath(load))
     return (parent if os.path.isfile(os.path.join(parent, "args.json")) else None), load

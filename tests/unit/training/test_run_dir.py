@@ -74,3 +74,19 @@ def test_hand_launched_rank_alone_gives_up_in_seconds(rank, fragment):
     with pytest.raises(UsageError, match=f"rank {rank} of WORLD_SIZE=2: {fragment} at "
                                          f"MASTER_ADDR=127.0.0.1:{port} within 1 s"):
         _rendezvous(info, port, 1)
+
+
+def test_a_converted_model_is_not_resumed_in_place(tmp_path):
+    from megatron_ext.training.checkpointing import CONVERTED_SPEC, TRACKER, resume_in_place
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "args.json").write_text("{}")
+    (run / "checkpoints" / TRACKER).write_text("3\n")
+    assert resume_in_place(str(run / "checkpoints"), False) == (str(run),
+                                                                 str(run / "checkpoints"))
+    converted = tmp_path / "llama-mg"  # hf-to-megatron's output: its own run folder, not here
+    converted.mkdir()
+    (converted / TRACKER).write_text("0\n")
+    (converted / CONVERTED_SPEC).write_text("{}")
+    assert resume_in_place(str(converted), False) == (None, None)
