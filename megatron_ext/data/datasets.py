@@ -37,7 +37,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 
 from megatron_ext.data.checks import (SPLIT_NAMES, check_indexed_dataset, check_token_ids,
                                       empty_splits, parse_data_path)
-from megatron_ext.data.index_cache import drop_stale_indices
+from megatron_ext.data.index_cache import drop_stale_indices, stamp_indices
 from megatron_ext.data.tokenizer import Tokenizer
 
 
@@ -66,12 +66,9 @@ def build_datasets(
         raise ValueError("build_datasets needs a data_path (Megatron --data-path) or mock=True")
     else:
         blend = parse_data_path(data_path)
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         for prefix in blend[0]:
             check_indexed_dataset(prefix)
             check_token_ids(prefix, tokenizer.vocab_size, tokenizer.path)
-            if rank0:  # before megatron-core builds (on rank 0 first) or reads its cache
-                drop_stale_indices(prefix, cache_dir)
     unbuilt = [] if mock else _unneeded_empty_splits(blend[0], split, num_samples)
     config = GPTDatasetConfig(
         random_seed=seed,
@@ -87,10 +84,16 @@ def build_datasets(
     )
     for i in unbuilt:  # asked for no samples and would get no documents: not built
         config.split_matrix[i] = None
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    prefixes = blend[0] if blend and rank0 else []
+    for prefix in prefixes:  # before megatron-core builds (on rank 0 first) or reads its cache
+        drop_stale_indices(prefix, cache_dir)
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset, list(num_samples), lambda: True, config
     )
     train, valid, test = builder.build()
+    for prefix in prefixes:
+        stamp_indices(prefix, cache_dir)
     return train, valid, test
 
 

@@ -6,10 +6,10 @@ a hash of the path, split, seed, sequence length and tokenizer -- not of the dat
 dataset preprocessed again into the same prefix would reuse the old index: an ``IndexError``
 at the first batch when it has fewer documents, wrong samples when it has as many.
 
-:func:`drop_stale_indices` keeps a stamp (the ``.bin`` / ``.idx`` sizes and modification
-times) beside the cached indices of each dataset; when the files no longer match it (or the
-indices predate stamps) the dataset's cached indices are removed, so megatron-core builds them
-again, and a ``note:`` line says so. :func:`check_cache_writable` refuses, before any work, a
+:func:`stamp_indices` keeps a stamp (the ``.bin`` / ``.idx`` sizes and modification times)
+beside the cached indices of each dataset; when the files no longer match it (or the indices
+predate stamps), :func:`drop_stale_indices` removes the dataset's cached indices before
+megatron-core builds, so it builds them again, and a ``note:`` line says so. :func:`check_cache_writable` refuses, before any work, a
 cache location that cannot be written (a read-only data folder) in one line naming
 ``--data-cache-path``.
 """
@@ -70,23 +70,31 @@ def _cached_indices(folder: str, prefix: str) -> list[str]:
 
 
 def drop_stale_indices(prefix: str, cache_dir: str | None, log=print) -> bool:
-    """Remove ``prefix``'s cached indices unless its stamp matches the data files; then
-    stamp them. Returns whether indices were removed. Not collective: rank 0 calls it before
-    megatron-core builds (megatron-core then builds on rank 0 before the others read)."""
+    """Before megatron-core builds: remove ``prefix``'s cached indices unless its stamp
+    matches the data files (a cache from before stamps counts as stale). Returns whether
+    indices were removed. Not collective: rank 0 calls it (megatron-core then builds on rank 0
+    before the others read)."""
     folder = cache_folder(prefix, cache_dir)
-    stamp_path, now = _stamp_path(folder, prefix), _fingerprint(prefix)
-    os.makedirs(folder, exist_ok=True)  # megatron-core writes its indices here next
+    if not os.path.isdir(folder):
+        return False
     try:
-        with open(stamp_path, encoding="utf-8") as f:
+        with open(_stamp_path(folder, prefix), encoding="utf-8") as f:
             stamped = json.load(f)
     except (OSError, ValueError):
         stamped = None
-    stale = _cached_indices(folder, prefix) if stamped != now else []
+    stale = _cached_indices(folder, prefix) if stamped != _fingerprint(prefix) else []
     for path in stale:
         os.remove(path)
     if stale and log:
         log(f"note: --data-path {prefix}: its .bin / .idx changed since its sample index was "
             f"cached in '{folder}'; building it again")
-    with open(stamp_path, "w", encoding="utf-8") as f:
-        json.dump(now, f)
     return bool(stale)
+
+
+def stamp_indices(prefix: str, cache_dir: str | None) -> None:
+    """After megatron-core built (or reused) ``prefix``'s indices: stamp them with the data
+    files they index. Rank 0 only."""
+    folder = cache_folder(prefix, cache_dir)
+    if os.path.isdir(folder):
+        with open(_stamp_path(folder, prefix), "w", encoding="utf-8") as f:
+            json.dump(_fingerprint(prefix), f)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import time
@@ -49,6 +50,7 @@ def _lock(run_dir: str, resuming: bool) -> str | None:
     """Take ``run_dir``'s lock (rank 0); the one-line refusal, or None."""
     if not resuming and holds_run(run_dir):
         return _occupied(run_dir)
+    created = _missing_folders(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     handle = open(os.path.join(run_dir, LOCK), "a+", encoding="utf-8")
     try:
@@ -67,7 +69,30 @@ def _lock(run_dir: str, resuming: bool) -> str | None:
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
     handle.flush()
     _HELD.append(handle)
+    atexit.register(_remove_if_unused, run_dir, created)
     return None
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders ``os.makedirs(path)`` would create, deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_if_unused(run_dir: str, created: list[str]) -> None:
+    """At exit: a run that failed before writing anything leaves no folder behind (only its
+    lock would be in it)."""
+    try:
+        if os.listdir(run_dir) != [LOCK]:
+            return
+        os.remove(os.path.join(run_dir, LOCK))
+        for folder in created:
+            os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def release() -> None:
