@@ -131,6 +131,11 @@ START_UP_CASES = {  # refused by pretrain() before any process group or file is 
                                   "--dry-run-json: cannot write"),
     "data cache under a file": (["--mock-data", "--data-cache-path", "{file}/cache"],
                                 "--data-cache-path: cannot write '{file}/cache'"),
+    "index cache beside the data unwritable": (["--data-path", "{file}", "--tokenizer-model",
+                                                "byte"],
+                                               "--data-path {file}: its index cache beside it "
+                                               "(pass --data-cache-path to put it elsewhere): "
+                                               "cannot write '{file}/cache/GPTDataset_indices'"),
 }
 
 
