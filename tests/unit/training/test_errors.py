@@ -257,3 +257,14 @@ def test_data_of_a_larger_vocabulary_than_the_tokenizer(tmp_path):
                                          r"has 3 ids: the data was tokenized with another"):
         build_data(_data_args(tmp_path, "--data-path", prefix, "--tokenizer-model",
                               str(tmp_path / "small.json")))
+
+
+def test_stale_world_size_in_the_shell_is_one_line_not_a_hang(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_llama.py"), *FAST_ARGS,
+                           "--train-iters", "2", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, timeout=180,
+                          env={**env, "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"})
+    _assert_one_line_error(proc, "WORLD_SIZE=2 is set but RANK is not")
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert not (tmp_path / "run").exists()
