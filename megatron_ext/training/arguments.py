@@ -288,7 +288,7 @@ def parse_args(family: str, argv: Iterable[str] | None = None,
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available()
     validate_args(args)
-    check_inputs(args)  # values that parse but cannot work, sizes the machine cannot hold
+    check_inputs(args)  # values that parse but cannot work (training/input_checks.py)
     run_dir = save = None
     if args.load:  # a resume goes on in place
         from megatron_ext.training.checkpointing import resume_in_place

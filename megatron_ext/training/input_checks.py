@@ -93,11 +93,17 @@ def _sizes(args: argparse.Namespace, memory: int) -> None:
                             "this process can have")
 
 
-def check_inputs(args: argparse.Namespace, memory: int | None = None) -> None:
-    """``UsageError`` (one line naming the flag) for the inputs of the module docstring;
-    ``memory``: bytes one rank may hold (default: :func:`machine_memory_bytes`). Call it after
-    the layout checks (it needs ``args.data_parallel`` and ``args.num_microbatches``)."""
+def check_inputs(args: argparse.Namespace) -> None:
+    """``UsageError`` (one line naming the flag) for output flags and numerics that cannot
+    work (the module docstring); every parse of the trainer's flags calls it."""
     _outputs(args)
     _numerics(args)
-    if not getattr(args, "dry_run", False):  # the dry run reports sizes itself
-        _sizes(args, machine_memory_bytes() if memory is None else memory)
+
+
+def check_sizes(args: argparse.Namespace, memory: int | None = None) -> None:
+    """``UsageError`` if a training run of ``args`` cannot fit this machine; ``memory``: bytes
+    one rank may hold (default: :func:`machine_memory_bytes`). Called by the trainer before
+    anything is allocated (not by the dry run, which reports sizes, nor by the converter,
+    which trains nothing); needs the layout checks' ``args.data_parallel`` and
+    ``args.num_microbatches``."""
+    _sizes(args, machine_memory_bytes() if memory is None else memory)

@@ -23,6 +23,7 @@ from megatron_ext.training.layer_impl import resolve_transformer_impl, \
     transformer_engine_available
 from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
+from megatron_ext.training.input_checks import check_sizes
 from megatron_ext.training.peers import peer_loss_reported
 from megatron_ext.training.run_dir import claim_run_dir
 from megatron_ext.errors import UsageError
@@ -138,6 +139,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     args, simulated = parse_and_validate(family, argv, extensions)
     if simulated:
         return dry_run.run(args, simulated, extensions)
+    check_sizes(args)  # what this machine can hold, before anything is allocated
     check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
     if args.check_flags:
         print("flags ok", flush=True)

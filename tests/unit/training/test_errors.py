@@ -89,10 +89,6 @@ CASES = {
     "no-save with save": (["--no-save", "--save", "X"], 1, "--no-save and --save X exclude"),
     "empty run dir": (["--run-dir", ""], 1, "--run-dir '': give a folder"),
     "empty save": (["--save", ""], 1, "--save '': give a folder"),
-    "sequence no machine holds": (["--seq-length", "100000000"], 1,
-                                  "--seq-length 100000000, --micro-batch-size 8"),
-    "steps whose index no machine holds": (["--train-iters", str(10**12)], 1,
-                                           f"--train-iters {10**12} x --global-batch-size 8"),
 }
 
 
@@ -131,6 +127,10 @@ START_UP_CASES = {  # refused by pretrain() before any process group or file is 
                                   "--dry-run-json: cannot write"),
     "data cache under a file": (["--mock-data", "--data-cache-path", "{file}/cache"],
                                 "--data-cache-path: cannot write '{file}/cache'"),
+    "sequence no machine holds": (["--seq-length", "100000000"],
+                                  "--seq-length 100000000, --micro-batch-size 8"),
+    "steps whose index no machine holds": (["--train-iters", str(10**12)],
+                                           f"--train-iters {10**12} x --global-batch-size 8"),
     "index cache beside the data unwritable": (["--data-path", "{file}", "--tokenizer-model",
                                                 "byte"],
                                                "--data-path {file}: its index cache beside it "
