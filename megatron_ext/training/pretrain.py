@@ -25,7 +25,7 @@ from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
 from megatron_ext.training.input_checks import check_sizes
 from megatron_ext.training.peers import peer_loss_reported
-from megatron_ext.training.run_dir import claim_run_dir
+from megatron_ext.training.run_dir import claim_run_dir, release
 from megatron_ext.errors import UsageError
 
 
@@ -157,6 +157,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     finally:
         if logger:
             logger.close()
+        release()  # the run folder's lock (run_dir.py): the next run in this process may go on
 
 
 def main(family: str, extensions: list[ext.Extension] = ()) -> int:
