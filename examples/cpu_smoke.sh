@@ -4,7 +4,7 @@
 # so the second one is checked without its --load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${RUN:-runs/cpu_smoke}
+RUN=${RUN:-runs/cpu_smoke-$(date +%Y%m%d-%H%M%S)}  # a new folder each time: one run per folder
 FIRST=(--train-iters 50 --eval-interval 25 --run-dir "$RUN")
 RESUME=(--train-iters 60 --lr-decay-iters 50 --eval-interval 30  # the first run's schedule
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2

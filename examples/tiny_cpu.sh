@@ -6,7 +6,7 @@
 #   DRY_RUN=1 bash examples/tiny_cpu.sh          # the layout report only
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${RUN:-runs/tiny_cpu}
+RUN=${RUN:-runs/tiny_cpu-$(date +%Y%m%d-%H%M%S)}  # a new folder each time: one run per folder
 ARGS=(
     --model tiny --train-iters "${ITERS:-50}" --eval-interval 25 --eval-iters 4
     --micro-batch-size 8 --global-batch-size 16 --log-interval 10

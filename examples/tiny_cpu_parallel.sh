@@ -6,7 +6,7 @@
 #   DRY_RUN=1 bash examples/tiny_cpu_parallel.sh # the layout report only, one process
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${RUN:-runs/tiny_cpu_parallel}
+RUN=${RUN:-runs/tiny_cpu_parallel-$(date +%Y%m%d-%H%M%S)}  # a new folder each time: one run per folder
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ARGS=(
     --model tiny --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2

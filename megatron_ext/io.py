@@ -92,6 +92,11 @@ def write_json_atomic(path: str, data: Any, indent: int | None = 1) -> None:
     write_text_atomic(path, json.dumps(data, indent=indent, allow_nan=False) + "\n")
 
 
+def why_not_a_file(path: str) -> str:
+    """Why ``path`` cannot be read as a file: ``is a folder, not a file`` or ``not found``."""
+    return "is a folder, not a file" if os.path.isdir(path) else "not found"
+
+
 # ---------------------------------------------------------------- outputs checked before work
 
 def _nearest_existing(path: str) -> str:

@@ -23,6 +23,7 @@ IGNORED_WARNINGS = (
 IGNORED_LOG_RECORDS = {
     # mock data and blends have no index cache by design (docs/data.md)
     "megatron.core.datasets.gpt_dataset": ("Unable to save",),
+    "megatron.core.datasets.blended_dataset": ("Cannot save",),
     # torchao (imported by transformers in convert verify) and torch's notes about it:
     # CUDA kernels that cannot load on a CPU machine, an API torchao still calls
     "torchao": ("Failed to load",),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from megatron_ext.compare import figures, report
 from megatron_ext.compare.grid import build_grid, load_config, resolve_entry
-from megatron_ext.compare.jobs import Job, is_finished, make_jobs, read_metrics
+from megatron_ext.compare.jobs import Job, check_scored, is_finished, make_jobs, read_metrics
 from megatron_ext.compare.results import collect
 from megatron_ext.compare.runner import check_flags, run_jobs
 from megatron_ext.errors import OneLineParser, UsageError, run_cli
@@ -102,6 +102,7 @@ def _run(argv: list[str]) -> None:
         raise UsageError(f"--out: '{out}' exists and is not a directory")
     grid = _grid(args)
     jobs = make_jobs(grid, resolve_entry(grid.entry, REPO), out)
+    check_scored(jobs)
     if args.dry_run:
         dry_run(jobs)
         return

@@ -63,6 +63,27 @@ def make_jobs(grid: Grid, entry: Path, out: Path) -> list[Job]:
     return jobs
 
 
+def last_value(argv, flag: str) -> str | None:
+    """The value ``argv`` gives ``flag`` last (``--flag V`` or ``--flag=V``; last wins, as
+    argparse reads it), or None."""
+    value = None
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def check_scored(jobs: list[Job]) -> None:
+    """``ValueError`` (one line) for a run that would train without the validation loss the
+    comparison scores (``--eval-iters 0``): said before anything trains."""
+    for job in jobs:
+        if last_value(job.argv, "--eval-iters") == "0":
+            raise ValueError(f"run {job.run.name}: --eval-iters 0 leaves no validation loss, "
+                             "the score compared (give --eval-iters > 0)")
+
+
 @dataclass(frozen=True)
 class RunMetrics:
     """What a finished job's ``metrics.jsonl`` says."""

@@ -38,6 +38,8 @@ Patch points (each has its own test in ``tests/unit/compat/test_cpu.py``):
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -125,6 +127,10 @@ def is_active() -> bool:
     return _ACTIVE_MODE is not None
 
 
+GPU_ONLY_ADVICE = r"When using .* set the environment variable CUDA_DEVICE_MAX_CONNECTIONS"
+"""megatron-core's advice to TP layers (once per rank) that only means something on a GPU."""
+
+
 def activate() -> bool:
     """Patch megatron-core / torch.cuda for CPU if CUDA is absent. Idempotent.
 
@@ -133,6 +139,7 @@ def activate() -> bool:
     global _ACTIVE_MODE
     if torch.cuda.is_available():
         return False
+    warnings.filterwarnings("ignore", message=GPU_ONLY_ADVICE, category=UserWarning)
     if _ACTIVE_MODE is not None:
         return True
     for owner, name, replacement in _patches():

@@ -127,6 +127,27 @@ def _verify_under_torchrun(nproc: int, argv: list[str]) -> float | None:
             return json.load(f)["max_abs_diff"]
 
 
+SHAPE_FIELDS = ("family", "vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
+                "num_attention_heads", "num_query_groups")
+"""What fixes the weights' shapes: a Hugging Face model that differs in one cannot be
+compared (one that differs elsewhere -- RoPE scaling, the GeLU -- is, and fails on its logits)."""
+
+
+def _same_architecture(spec, hf_dir: str) -> None:
+    """``UsageError`` naming the first :data:`SHAPE_FIELDS` field where ``hf_dir``'s
+    config.json describes another model than the checkpoint's spec, before either is loaded."""
+    from megatron_ext.convert.spec import spec_from_hf_config
+    from megatron_ext.io import read_json
+
+    path = os.path.join(hf_dir, "config.json")
+    hf_arch = spec_from_hf_config(read_json(path), spec.dtype)[0].arch
+    for field in SHAPE_FIELDS:
+        theirs, ours = getattr(hf_arch, field), getattr(spec.arch, field)
+        if theirs != ours:
+            raise UsageError(f"--hf-dir: '{path}' describes another model than --load: "
+                             f"{field} {theirs} there, {ours} in the checkpoint")
+
+
 def _verify(args, argv) -> int:
     from megatron_ext.convert.spec import find_spec
     from megatron_ext.convert.verify import verify, write_result
@@ -136,6 +157,7 @@ def _verify(args, argv) -> int:
         raise UsageError(f"--hf-dir: no config.json in '{args.hf_dir}'")
     ckpt_dir = resolve_checkpoint_dir(args.load, args.load_unverified)
     spec = find_spec(ckpt_dir, args.model_config)
+    _same_architecture(spec, args.hf_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     launch = resolve_launch()
     if tp * pp > 1 and launch.world_size == 1:

@@ -16,10 +16,11 @@ import json
 import os
 import re
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_ext import io
@@ -78,13 +79,24 @@ def _weight_files(hf_dir: str) -> list[str]:
                      "safetensors checkpoints are supported)")
 
 
+@contextmanager
+def _opened(path: str):
+    """``safe_open(path)``; a truncated or corrupt file is one line naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise UsageError(f"--hf-dir: cannot read '{path}': {exc} (truncated or not a "
+                         "safetensors file?)") from None
+
+
 class HFCheckpoint:
     """The tensors of a Hugging Face safetensors checkpoint, read lazily."""
 
     def __init__(self, hf_dir: str, canonical_name: Callable[[str], str] = lambda n: n):
         self.tensors: dict[str, TensorInfo] = {}
         for path in _weight_files(hf_dir):
-            with safe_open(path, framework="pt") as f:
+            with _opened(path) as f:
                 for stored in f.keys():
                     piece = f.get_slice(stored)
                     name = canonical_name(stored)
@@ -96,7 +108,7 @@ class HFCheckpoint:
     def tensor(self, name: str) -> torch.Tensor:
         """Read one tensor (and only it) from disk."""
         info = self.tensors[name]
-        with safe_open(info.file, framework="pt") as f:
+        with _opened(info.file) as f:
             return f.get_tensor(info.stored_name)
 
     def meta(self, name: str) -> torch.Tensor:

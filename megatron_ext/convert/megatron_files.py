@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_ext.compat import cpu
 from megatron_ext.training import distributed
-from megatron_ext.training.checkpointing import TRACKER, model_sharded_state
+from megatron_ext.training.checkpointing import (TRACKER, check_model_shapes,
+                                                 model_sharded_state)
 from megatron_ext.training.checkpoint_integrity import write_manifest
 from megatron_ext.errors import UsageError
 from megatron_ext.training.model import build_model_chunks, transformer_config
@@ -189,7 +190,9 @@ def load_global(ckpt_dir: str, metadata: dict, keys: list[str], layer: int | Non
 
 def load_weights(chunks: list, ckpt_dir: str) -> None:
     """Fill this rank's model chunks from a checkpoint (the model part only)."""
+    request = {"model": model_sharded_state(chunks)}
     with _readable("read", ckpt_dir):
-        loaded = dist_checkpointing.load({"model": model_sharded_state(chunks)}, ckpt_dir)
+        check_model_shapes(request["model"], ckpt_dir)  # another model: one line, first
+        loaded = dist_checkpointing.load(request, ckpt_dir)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"])

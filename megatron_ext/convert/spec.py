@@ -18,11 +18,9 @@ from megatron_ext.convert.families import HFFamily, TensorMap
 from megatron_ext.convert.gpt2 import GPT2
 from megatron_ext.convert.llama import LLAMA
 from megatron_ext.training.arguments import parse_args
+from megatron_ext.training.checkpointing import CONVERTED_SPEC as SIDECAR
 from megatron_ext.errors import UsageError
 from megatron_ext.training.presets import ARCH_FIELDS, ModelArch
-
-SIDECAR = "megatron_model.json"
-"""File name of the spec in a converted checkpoint directory."""
 COMMON_KEY = "hf_conversion"
 """Key of the spec in the checkpoint's dist_checkpointing common state."""
 FAMILIES = (LLAMA, GPT2)

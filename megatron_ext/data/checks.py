@@ -32,6 +32,8 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix, parse_and_normalize_split)
 from megatron.core.datasets.indexed_dataset import DType, get_bin_path, get_idx_path
 
+from megatron_ext.io import why_not_a_file
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
 
@@ -92,7 +94,8 @@ def check_indexed_dataset(prefix: str) -> None:
     idx, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx, bin_path):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"dataset file not found: {path} (data path {prefix!r})")
+            raise FileNotFoundError(f"dataset file {why_not_a_file(path)}: {path} (data path "
+                                    f"{prefix!r})")
     idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_path)
     dtype, sequences, documents = _read_header(idx, idx_size)
     itemsize = dtype.itemsize
@@ -159,10 +162,11 @@ def empty_splits(prefix: str, split: str) -> list[tuple[int, str]]:
     found = []
     for i, bookends in enumerate(split_matrix(split)):
         if bookends is not None and split_documents(bookends, count) == 0:
+            other = "a larger train weight" if i == 0 else \
+                f"a --split whose {SPLIT_NAMES[i]} weight is 0"
             found.append((i, f"--data-path {prefix}: --split {split} gives the "
                              f"{SPLIT_NAMES[i]} split none of its {count} documents; it needs "
-                             f"{documents_needed(bookends, count)} or more (or a --split whose "
-                             f"{SPLIT_NAMES[i]} weight is 0)"))
+                             f"{documents_needed(bookends, count)} or more (or {other})"))
     return found
 
 

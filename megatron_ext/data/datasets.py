@@ -20,7 +20,8 @@ What megatron-core does with the arguments of ``build_datasets``:
   ``tokens``/``labels`` (shifted by one), ``loss_mask`` and ``position_ids``. No
   ``attention_mask`` key is produced (``create_attention_mask=False``): attention is causal.
 * The sample indices are cached as ``.npy`` files in ``cache_dir`` (default: a ``cache``
-  directory next to each dataset) and reused by later runs with the same arguments.
+  directory next to each dataset) and reused by later runs with the same arguments and the
+  same data files (a dataset preprocessed again rebuilds its indices: ``index_cache``).
 * ``mock=True`` builds megatron's ``MockGPTDataset`` (synthetic ``1, 2, 3, ...`` documents)
   and needs no files; megatron then ignores ``split`` and uses ``"1,1,1"``.
 
@@ -36,6 +37,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 
 from megatron_ext.data.checks import (SPLIT_NAMES, check_indexed_dataset, check_token_ids,
                                       empty_splits, parse_data_path)
+from megatron_ext.data.index_cache import drop_stale_indices, stamp_indices
 from megatron_ext.data.tokenizer import Tokenizer
 
 
@@ -82,10 +84,16 @@ def build_datasets(
     )
     for i in unbuilt:  # asked for no samples and would get no documents: not built
         config.split_matrix[i] = None
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    prefixes = blend[0] if blend and rank0 else []
+    for prefix in prefixes:  # before megatron-core builds (on rank 0 first) or reads its cache
+        drop_stale_indices(prefix, cache_dir)
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset, list(num_samples), lambda: True, config
     )
     train, valid, test = builder.build()
+    for prefix in prefixes:
+        stamp_indices(prefix, cache_dir)
     return train, valid, test
 
 

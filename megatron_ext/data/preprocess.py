@@ -41,7 +41,7 @@ from megatron.core.datasets.indexed_dataset import (
 )
 
 from megatron_ext.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_ext.io import check_output, made_dirs
+from megatron_ext.io import check_output, made_dirs, why_not_a_file
 
 _CHUNK_BYTES = 1 << 20
 """Input is handed to workers in chunks of about this many bytes ..."""
@@ -105,7 +105,7 @@ def preprocess(config: PreprocessConfig, log: TextIO | None = sys.stderr) -> Pre
         PreprocessError: a line is not a JSON object, lacks a key, or its value is no string.
     """
     if not os.path.isfile(config.input):
-        raise FileNotFoundError(f"input file not found: {config.input}")
+        raise FileNotFoundError(f"input file {why_not_a_file(config.input)}: {config.input}")
     if config.workers < 1:
         raise ValueError(f"workers must be >= 1, got {config.workers}")
     prefixes = {key: dataset_prefix(config.output_prefix, key) for key in config.json_keys}
@@ -130,6 +130,10 @@ def preprocess(config: PreprocessConfig, log: TextIO | None = sys.stderr) -> Pre
             + ", ".join(f"{prefix}.bin/.idx" for prefix in prefixes.values()),
             file=log,
         )
+    if log is not None and progress.docs and not writer.num_tokens:
+        print(f"warning: {progress.docs} documents but 0 tokens: every text under "
+              f"--json-keys {' '.join(config.json_keys)} is empty (and --append-eod is off); "
+              "nothing here can be trained on", file=log)
     return PreprocessResult(prefixes, progress.docs, writer.num_tokens, seconds)
 
 

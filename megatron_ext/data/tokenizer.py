@@ -31,6 +31,8 @@ from collections.abc import Iterable
 import tokenizers
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from megatron_ext.io import why_not_a_file
+
 EOD_TOKEN = "<|endoftext|>"
 """Text form of the end-of-document token of this package's own tokenizers."""
 
@@ -194,7 +196,7 @@ def build_tokenizer(tokenizer_model: str | None, eod_token: str | None = None) -
         return ByteTokenizer()
     if not os.path.isfile(tokenizer_model):
         raise FileNotFoundError(
-            f"tokenizer model not found: {tokenizer_model} "
+            f"tokenizer model {why_not_a_file(tokenizer_model)}: {tokenizer_model} "
             "(expected a tokenizers tokenizer.json, or 'byte')"
         )
     return JsonTokenizer(tokenizer_model, eod_token)

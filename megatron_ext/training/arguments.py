@@ -10,16 +10,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Callable, Iterable
 
 import torch
 
 from megatron_ext.training.distributed import resolve_launch
 from megatron_ext.training.flag_checks import validate_args
+from megatron_ext.training.input_checks import check_inputs
 from megatron_ext.errors import OneLineParser, UsageError, finite_float
 from megatron_ext.training.attention_backend import CHOICES as ATTENTION_BACKENDS
 from megatron_ext.training.presets import ARCH_FIELDS, get_preset, preset_names
+from megatron_ext.training.run_dir import default_run_dir
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -184,7 +185,10 @@ def _logging_and_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="print and record a training step every N steps")
     g.add_argument("--tensorboard-dir", default=None,
                    help="also write the metrics as TensorBoard events here")
-    g.add_argument("--run-dir", default=None, help="default: runs/<timestamp>")
+    g.add_argument("--run-dir", default=None,
+                   help="the run's folder, one run at a time (a new run into a folder that "
+                        "holds one is refused; --load resumes it); default: runs/<timestamp> "
+                        "of rank 0's clock")
     g.add_argument("--save", default=None, help="checkpoint dir (default: <run-dir>/checkpoints)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint at all")
     g.add_argument("--load", default=None, help="resume from this checkpoint dir")
@@ -290,14 +294,13 @@ def parse_args(family: str, argv: Iterable[str] | None = None,
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available()
     validate_args(args)
+    check_inputs(args)  # values that parse but cannot work (training/input_checks.py)
     run_dir = save = None
     if args.load:  # a resume goes on in place
         from megatron_ext.training.checkpointing import resume_in_place
         run_dir, save = resume_in_place(args.load, args.finetune)
     if args.run_dir is None:
-        args.run_dir = run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        args.run_dir = run_dir or default_run_dir()  # one per launch: run_dir.claim_run_dir
     if args.save is None and not args.no_save:
         args.save = save or os.path.join(args.run_dir, "checkpoints")
-    if args.no_save:
-        args.save = None
     return args

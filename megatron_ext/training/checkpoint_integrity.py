@@ -111,6 +111,38 @@ def _first_bad_file(ckpt_dir: str, expected: dict[str, str]) -> str | None:
     return None
 
 
+def check_one_folder(ckpt_dir: str) -> None:
+    """Before a save: every rank writes into the same folder (``UsageError`` naming two that
+    differ: the shards would be scattered). Collective when torch.distributed is up."""
+    folders = gather_objects(os.path.abspath(ckpt_dir))
+    if len(set(folders)) > 1:
+        other = next(r for r, f in enumerate(folders) if f != folders[0])
+        raise UsageError(f"rank 0 saves into '{folders[0]}' but rank {other} into "
+                         f"'{folders[other]}': give every rank the same --save")
+
+
+def verify_saved(ckpt_dir: str) -> None:
+    """After ``write_manifest``: every rank sees every file ``checksums.json`` lists (one
+    checkpoint, whole, in one folder) before the save is reported; ``UsageError`` naming the
+    first missing file. Collective when torch.distributed is up."""
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 has written the manifest
+    try:
+        expected = _read_manifest(ckpt_dir)
+    except UsageError as exc:
+        expected, problem = {}, str(exc).removeprefix("--load: ")
+    else:
+        problem = None if expected is not None else f"'{ckpt_dir}' has no {MANIFEST}"
+    missing = [rel for rel in sorted(expected or {})
+               if not os.path.isfile(os.path.join(ckpt_dir, rel))]
+    if missing:
+        problem = f"'{os.path.join(ckpt_dir, missing[0])}' (listed in {MANIFEST}) is missing"
+    problems = [(r, p) for r, p in enumerate(gather_objects(problem)) if p]
+    if problems:
+        rank, first = problems[0]
+        raise UsageError(f"rank {rank} cannot see the checkpoint whole: {first}")
+
+
 def verify_manifest(ckpt_dir: str) -> bool:
     """Check every file against ``checksums.json``; ``UsageError`` on every rank naming the
     first bad file. Returns False for a checkpoint written before manifests existed."""

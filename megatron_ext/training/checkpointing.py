@@ -5,10 +5,11 @@ Layout of ``--save DIR``::
     DIR/iter_0000100/                  one dist_checkpointing checkpoint (any rank layout)
     DIR/latest_checkpointed_iteration.txt
 
-A save goes to ``DIR/.tmp_iter_N`` and is renamed into place only when every rank has
-finished (and ``checksums.json`` is written); the ``latest`` pointer is replaced atomically
-last, so a crash mid-save leaves the previous checkpoint and pointer untouched. With
-``--save-retain N`` older checkpoints are removed after that, keeping the newest N. Before a save
+A save goes to ``DIR/.tmp_iter_N`` (one folder: every rank's must agree) and is renamed into
+place only when every rank has finished, ``checksums.json`` is written and every rank sees
+every file it lists; the ``latest`` pointer is replaced atomically last, so a crash mid-save
+leaves the previous checkpoint and pointer untouched. With ``--save-retain N`` older
+checkpoints are removed after that, keeping the newest N. Before a save
 every rank's step counter, data position and extension states must agree (faults); before a
 load the checksums are verified and no file may hold pickled code (checkpoint_integrity).
 
@@ -37,7 +38,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext.training.checkpoint_integrity import verify_checkpoint, write_manifest
+from megatron_ext.training.checkpoint_integrity import (check_one_folder, verify_checkpoint,
+                                                       verify_saved, write_manifest)
 from megatron_ext.errors import UsageError
 from megatron_ext.training.faults import save_fingerprint, verify_ranks_agree
 from megatron_ext.training.fsdp_checkpoint import (fsdp2_sharded_state, load_optimizer_state,
@@ -50,6 +52,9 @@ from megatron_ext.training.optimizer import allocate_adam_state, restore_adam_st
 from megatron_ext.training.schedule_resume import group_schedule, restore, saved_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
+CONVERTED_SPEC = "megatron_model.json"
+"""File name of the model spec ``convert_checkpoint.py hf-to-megatron`` writes beside the
+checkpoint: its folder is a converted model, never resumed in place."""
 
 
 class StateProvider(Protocol):
@@ -111,8 +116,10 @@ def resume_in_place(load: str | None, finetune: bool) -> tuple[str | None, str |
     ``--load``: ``--load ROOT`` (a save root: go on from its latest checkpoint) saves into ROOT
     and logs into the run folder above it (the one with ``args.json``: ``runs/<ts>``).
     ``(run_dir or None, save root or None)``; (None, None) for one ``iter_*`` folder (a branch
-    from an older checkpoint), ``--finetune`` or no ``--load``."""
-    if not load or finetune or not os.path.isfile(os.path.join(load, TRACKER)):
+    from an older checkpoint), a converted model (``hf-to-megatron``'s folder: the run gets
+    its own), ``--finetune`` or no ``--load``."""
+    converted = bool(load) and os.path.isfile(os.path.join(load, CONVERTED_SPEC))
+    if not load or finetune or converted or not os.path.isfile(os.path.join(load, TRACKER)):
         return None, None
     parent = os.path.dirname(os.path.abspath(load))
     return (parent if os.path.isfile(os.path.join(parent, "args.json")) else None), load
@@ -190,7 +197,7 @@ class Checkpointer:
                 allocate_adam_state(self.optimizer)
             request = ({"model": self._model_state()} if weights_only
                        else self._sharded_state(True, same_layout, common.get("optimizer")))
-            _check_model_shapes(request["model"], path)  # another model: said first
+            check_model_shapes(request["model"], path)  # another model: said first
             _check_not_past(common, weights_only, train_iters, path)
             loaded = dist_checkpointing.load(request, path)
         except UsageError:
@@ -240,7 +247,7 @@ def _first_line(exc: BaseException) -> str:
     return line if len(line) <= 200 else line[:200] + "..."
 
 
-def _check_model_shapes(model_sd: dict, path: str) -> None:
+def check_model_shapes(model_sd: dict, path: str) -> None:
     """megatron loads some tensors (embeddings) with ``allow_shape_mismatch``: a checkpoint of
     another vocabulary or width would load truncated or zero-padded, silently. Refuse it."""
     saved = dist_checkpointing.load_tensors_metadata(path)
@@ -273,6 +280,7 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}")
     rank0 = dist.get_rank() == 0
+    check_one_folder(save_dir)
     with _failed_save_removed(tmp, rank0, iteration):
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -281,6 +289,7 @@ def atomic_save(state: dict, save_dir: str, iteration: int, retain: int | None =
         dist_checkpointing.save(state, tmp)
         dist.barrier()
         write_manifest(tmp)  # sha256 of every file, verified on load
+        verify_saved(tmp)  # every rank sees every listed file before "saved"
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

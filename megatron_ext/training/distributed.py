@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megatron_ext.errors import UsageError
+
 DEFAULT_MASTER_PORT = 29500
+HAND_LAUNCH_RENDEZVOUS_S = 30
+"""How long ranks started by hand (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` set, no launcher
+agent) wait for each other: a stale environment fails in seconds, not after the timeout."""
+_STALE = "unset them to train in one process, or start the job with torchrun, srun or mpiexec"
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,65 @@ def resolve_launch(env=None) -> LaunchInfo:
     return LaunchInfo("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port)
 
 
+def check_launch_env(env=None) -> None:
+    """``UsageError`` for a launch environment no launcher made: ``WORLD_SIZE`` > 1 without
+    ``RANK`` (nothing else tells this process its place), or ``RANK`` / ``WORLD_SIZE``
+    without ``MASTER_ADDR`` (torchrun sets all three; without it no rendezvous is possible)."""
+    env = os.environ if env is None else env
+    size = env.get("WORLD_SIZE", "1")
+    if resolve_launch(env).launcher == "single" and size not in ("", "0", "1"):
+        raise UsageError(f"WORLD_SIZE={size} is set but RANK is not, and no launcher started "
+                         f"this process: {_STALE}")
+    if "RANK" in env and size != "1" and "MASTER_ADDR" not in env:
+        raise UsageError(f"RANK={env['RANK']} WORLD_SIZE={size} are set but MASTER_ADDR is not, "
+                         f"and no launcher started this process: {_STALE}")
+
+
+def _hand_launched(info: LaunchInfo) -> bool:
+    return info.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+def _listening(addr: str, port: int, deadline: float) -> bool:
+    """Whether something accepts TCP connections at ``addr:port`` before ``deadline``."""
+    import socket
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((addr, port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def _all_joined(store, world_size: int, deadline: float) -> bool:
+    """Rank 0: whether every rank set its ``joined/<rank>`` key before ``deadline``."""
+    keys = [f"joined/{rank}" for rank in range(world_size)]
+    while time.monotonic() < deadline:
+        if store.check(keys):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _rendezvous(info: LaunchInfo, port: int, seconds: float):
+    """The TCP store of a hand-launched job, every rank joined within ``seconds`` (polled, so
+    that a rank left alone by a stale environment says so at once in one line)."""
+    deadline = time.monotonic() + seconds
+    store = None
+    if info.rank == 0 or _listening(info.master_addr, port, deadline):
+        store = dist.TCPStore(info.master_addr, port, info.world_size, info.rank == 0,
+                              timeout=timedelta(seconds=seconds), wait_for_workers=False)
+        store.set(f"joined/{info.rank}", "1")
+    if store is None or info.rank == 0 and not _all_joined(store, info.world_size, deadline):
+        who = "the other ranks did not join" if info.rank == 0 else "rank 0 is not listening"
+        error = UsageError(f"rank {info.rank} of WORLD_SIZE={info.world_size}: {who} at "
+                           f"MASTER_ADDR={info.master_addr}:{port} within {seconds:g} s; if RANK"
+                           f" / WORLD_SIZE / MASTER_ADDR are left over in the shell, {_STALE}")
+        error.every_rank = True  # no rank 0 to say it
+        raise error
+    return store
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as sock:
@@ -101,7 +167,9 @@ def default_backend() -> str:
 
 def init_process_group(info: LaunchInfo, backend: str = "auto", timeout_minutes: float = 10):
     """torch.distributed over TCP rendezvous at rank 0; a no-op if already initialised. A
-    collective that waits longer than ``timeout_minutes`` for a peer fails (training/peers)."""
+    collective that waits longer than ``timeout_minutes`` for a peer fails (training/peers);
+    a stale launch environment is refused first (:func:`check_launch_env`), and ranks started
+    by hand must all join within ``HAND_LAUNCH_RENDEZVOUS_S``."""
     if dist.is_initialized():
         return
     if backend == "auto":
@@ -111,6 +179,14 @@ def init_process_group(info: LaunchInfo, backend: str = "auto", timeout_minutes:
         port = _free_port()  # several single-process runs may share a machine
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    check_launch_env()
+    if _hand_launched(info) and info.world_size > 1:
+        store = _rendezvous(info, port, HAND_LAUNCH_RENDEZVOUS_S)
+        store.set_timeout(timedelta(minutes=timeout_minutes))
+        dist.init_process_group(backend=backend, store=store, rank=info.rank,
+                                world_size=info.world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
+        return
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{info.master_addr}:{port}",

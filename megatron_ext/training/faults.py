@@ -232,7 +232,8 @@ class FaultHandler:
         if _rank() == 0:
             print(f"step {state.iteration}: non-finite loss or gradients (loss {loss}): update "
                   f"skipped ({self.consecutive} in a row, {self.total} in total, stop at "
-                  f"--max-skipped-steps {self.args.max_skipped_steps})", flush=True)
+                  f"--max-skipped-steps {self.args.max_skipped_steps})"
+                  f"{first_step_suspects(self.args, state.iteration)}", flush=True)
 
     def _inject_desync(self, state) -> None:
         if self.args.inject_desync_on_rank == _rank() and state.iteration == 1:
@@ -261,6 +262,18 @@ class FaultHandler:
             self.interrupted = (f"stopped after step {state.iteration}" +
                                 (", checkpoint saved" if args.save else ""))
         return True
+
+
+def first_step_suspects(args, iteration: int) -> str:
+    """At step 1 no update has happened yet: a non-finite loss there comes from the flags
+    that shape the forward pass (or an injection); the text naming them, else ''."""
+    if iteration != 1:
+        return ""
+    if 1 in args.inject_nonfinite_at_step:
+        return "; at step 1: --inject-nonfinite-at-step 1"
+    return (f"; at step 1, before any update, so from the forward pass: check --init-method-std "
+            f"{args.init_method_std:g}, --norm-epsilon {args.norm_epsilon:g}, --rotary-base "
+            f"{args.rotary_base:g}, --seq-length {args.seq_length} and the data")
 
 
 # ---------------------------------------------------------------- rank desync

@@ -186,6 +186,7 @@ def train(args: argparse.Namespace, run, logger, extensions=()) -> TrainState:
             if checkpointer is not None and (last or stop or _due(args.save_interval, state)):
                 checkpointer.save(state)
             if stop:
+                _say_exit_interval(args, state, logger, last)
                 break
     finally:
         _end_hooks(args, run, state, extensions)
@@ -203,6 +204,15 @@ def _end_hooks(args, run, state, extensions) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+def _say_exit_interval(args, state: TrainState, logger, last: bool) -> None:
+    """One line when ``--exit-interval`` ends the run before ``--train-iters``."""
+    if logger and not last and _due(args.exit_interval, state):
+        print(f"stopping at step {state.iteration} of --train-iters {args.train_iters}: "
+              f"--exit-interval {args.exit_interval}"
+              f"{', checkpoint saved' if args.save else ' (--no-save: nothing saved)'}",
+              flush=True)
 
 
 def _due(interval: int | None, state: TrainState) -> bool:

@@ -23,7 +23,9 @@ from megatron_ext.training.layer_impl import (resolve_transformer_impl,
                                               transformer_engine_available)
 from megatron_ext.training import child_processes
 from megatron_ext.training.outputs import check_run_outputs
+from megatron_ext.training.input_checks import check_sizes
 from megatron_ext.training.peers import peer_loss_reported
+from megatron_ext.training.run_dir import claim_run_dir, release
 from megatron_ext.errors import UsageError
 
 
@@ -66,6 +68,7 @@ def setup(args, extensions: list[ext.Extension] = ()) -> TrainingRun:
     from megatron_ext.training.loop import TrainState
 
     distributed.initialize(args)
+    claim_run_dir(args)  # rank 0's folder for every rank, locked (training/run_dir.py)
     tokenizer, train_ds, valid_ds = data.build_data(args)
     args.padded_vocab_size = model.padded_vocab_size(model.vocab_size(tokenizer, args), args)
     config = model.transformer_config(args)
@@ -137,6 +140,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     args, simulated = parse_and_validate(family, argv, extensions)
     if simulated:
         return dry_run.run(args, simulated, extensions)
+    check_sizes(args)  # what this machine can hold, before anything is allocated
     check_run_outputs(args, resolve_launch().rank)  # before any work (training/outputs.py)
     if args.check_flags:
         print("flags ok", flush=True)
@@ -154,6 +158,7 @@ def pretrain(family: str, argv=None, extensions: list[ext.Extension] = ()):
     finally:
         if logger:
             logger.close()
+        release()  # the run folder's lock (run_dir.py): the next run in this process may go on
 
 
 def main(family: str, extensions: list[ext.Extension] = ()) -> int:
@@ -162,7 +167,7 @@ def main(family: str, extensions: list[ext.Extension] = ()) -> int:
         with peer_loss_reported():  # a dead or stalled rank: one line (training/peers.py)
             pretrain(family, extensions=extensions)
     except UsageError as exc:
-        if resolve_launch().rank == 0:
+        if resolve_launch().rank == 0 or getattr(exc, "every_rank", False):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, the shell's status for SIGINT

@@ -160,6 +160,8 @@ def test_a_run_from_another_checkout_is_reused(grid, capsys):
     ({"seeds": [1, 1]}, "repeats a seed"),
     ({"reference": "bf16"}, "reference 'bf16' is not one of the runs"),
     ({"runs": {"a": "--seed 3"}, "reference": None}, "--seed is set by the tool"),
+    ({"runs": {"a": "--eval-iters=0"}, "reference": None},
+     "run a: --eval-iters 0 leaves no validation loss, the score compared"),
 ])
 def test_bad_config_is_one_line_exit_2(tmp_path, capsys, changes, message):
     config = write_config(tmp_path / "grid.json", **changes)

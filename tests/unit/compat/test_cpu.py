@@ -137,3 +137,16 @@ def test_inert_when_cuda_is_present():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "inert" in out.stdout
+
+
+def test_gpu_only_advice_of_tp_layers_is_silent_on_cpu():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu.activate()  # installs its filter inside this context
+        warnings.warn("When using async grad allreduce it is recommended to set the "
+                      "environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum "
+                      "speedup", UserWarning)
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]

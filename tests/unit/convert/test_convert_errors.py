@@ -82,3 +82,13 @@ def test_verify_of_a_missing_checkpoint_is_refused(converted, tmp_path, capsys):
     hf, _ = converted("gpt2-tied")
     status = convert("verify", "--hf-dir", hf, "--load", tmp_path / "nowhere")
     assert_refused(capsys, status, "does not exist", tmp_path / "out")
+
+
+def test_verify_against_a_model_of_another_vocabulary_is_one_line(converted, tmp_path,
+                                                                 capsys):
+    _, ckpt = converted("llama-gqa-untied")
+    other = save_hf_model("llama-gqa-untied", tmp_path / "hf256", vocab_size=256)
+    capsys.readouterr()
+    status = convert("verify", "--hf-dir", other, "--load", ckpt)
+    assert_refused(capsys, status, "describes another model than --load: vocab_size 256 "
+                                   "there, 300 in the checkpoint", tmp_path / "out")

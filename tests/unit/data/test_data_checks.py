@@ -110,3 +110,30 @@ def test_pretrain_stops_with_one_line(byte_dataset, tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (
         proc.stderr[-3000:])
     assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_where_a_file_is_expected_is_named_as_such(byte_dataset, tmp_path):
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+    from megatron_ext.data.tokenizer import build_tokenizer
+
+    prefix = byte_dataset("a", ["one document"])
+    os.remove(prefix + ".bin")
+    os.mkdir(prefix + ".bin")
+    with pytest.raises(FileNotFoundError, match=r"^dataset file is a folder, not a file: .*a_"
+                                                r"text_document.bin"):
+        check_indexed_dataset(prefix)
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer model is a folder, not a file: "):
+        build_tokenizer(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"^input file is a folder, not a file: "):
+        preprocess(PreprocessConfig(input=str(tmp_path), output_prefix=str(tmp_path / "o")),
+                   log=None)
+
+
+def test_an_empty_train_split_advises_a_larger_train_weight(byte_dataset):
+    from megatron_ext.data.checks import empty_splits
+
+    prefix = byte_dataset("two", ["one", "two"])
+    (index, reason), = empty_splits(prefix, "1,1000,0")
+    assert index == 0 and reason.endswith("it needs 501 or more (or a larger train weight)")
+    (index, reason), = empty_splits(prefix, "1000,1,0")
+    assert index == 1 and reason.endswith("(or a --split whose validation weight is 0)")

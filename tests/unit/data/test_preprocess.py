@@ -160,3 +160,16 @@ def test_cli_bad_line_exits_2_with_one_error_line(tmp_path):
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "bad.jsonl:2: invalid JSON" in errors[0]
     assert os.listdir(tmp_path) == ["bad.jsonl"]  # not even the folders it made for them
+
+
+def test_documents_without_tokens_are_a_warning(tmp_path, write_jsonl):
+    log = io.StringIO()
+    config = PreprocessConfig(input=write_jsonl("empty", ["", ""]),
+                              output_prefix=str(tmp_path / "empty"))
+    assert preprocess(config, log=log).num_tokens == 0
+    assert "warning: 2 documents but 0 tokens: every text under --json-keys text is empty" \
+        in log.getvalue()
+    log = io.StringIO()
+    preprocess(PreprocessConfig(input=write_jsonl("one", ["a"]),
+                                output_prefix=str(tmp_path / "one")), log=log)
+    assert "warning" not in log.getvalue()

@@ -43,6 +43,11 @@ def test_only_the_listed_dependency_messages_are_dropped(caplog):
         logger.warning("Unable to save GPTDataset indexes because path_to_cache is None")
         logger.warning("something else")
     assert [r.getMessage() for r in caplog.records] == ["something else"]
+    caplog.clear()
+    blended = logging.getLogger("megatron.core.datasets.blended_dataset")
+    with caplog.at_level(logging.WARNING, logger=blended.name):
+        blended.warning("Cannot save the BlendedDataset indexes because path_to_cache is None")
+    assert caplog.records == []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         megatron_ext.silence_dependency_noise()

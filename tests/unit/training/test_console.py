@@ -41,3 +41,13 @@ def test_resuming_prints_no_warning(tmp_path):
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step      3/3" in proc.stdout and proc.stderr == ""  # no torch FutureWarning
+
+
+def test_exit_interval_says_why_the_run_stops_early(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_llama.py"), *FAST_ARGS,
+                           "--train-iters", "3", "--exit-interval", "2", "--no-save",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("stopping at step 2 of --train-iters 3: --exit-interval "
+                                         "2 (--no-save: nothing saved)"), proc.stdout[-2000:]

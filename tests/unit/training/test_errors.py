@@ -86,6 +86,16 @@ CASES = {
                                                   "--keep-first-last-layers-bf16", "10"], 1,
                                                  "--keep-first-last-layers-bf16 10: the model "
                                                  "has 4 layers"),
+    # operations round 3 (issue 41)
+    "rotary base zero": (["--rotary-base", "0"], 1, "--rotary-base 0 must be positive"),
+    "norm epsilon negative": (["--norm-epsilon=-1"], 1, "--norm-epsilon -1 must be positive"),
+    "init std negative": (["--init-method-std=-0.02"], 1, "--init-method-std -0.02 must be "
+                                                          "positive"),
+    "vocab padding zero": (["--make-vocab-size-divisible-by", "0"], 1,
+                           "--make-vocab-size-divisible-by 0 must be positive"),
+    "no-save with save": (["--no-save", "--save", "X"], 1, "--no-save and --save X exclude"),
+    "empty run dir": (["--run-dir", ""], 1, "--run-dir '': give a folder"),
+    "empty save": (["--save", ""], 1, "--save '': give a folder"),
 }
 
 
@@ -126,6 +136,15 @@ START_UP_CASES = {  # refused by pretrain() before any process group or file is 
                                   "--dry-run-json: cannot write"),
     "data cache under a file": (["--mock-data", "--data-cache-path", "{file}/cache"],
                                 "--data-cache-path: cannot write '{file}/cache'"),
+    "sequence no machine holds": (["--seq-length", "100000000"],
+                                  "--seq-length 100000000, --micro-batch-size 8"),
+    "steps whose index no machine holds": (["--train-iters", str(10**12)],
+                                           f"--train-iters {10**12} x --global-batch-size 8"),
+    "index cache beside the data unwritable": (["--data-path", "{file}", "--tokenizer-model",
+                                                "byte"],
+                                               "--data-path {file}: its index cache beside it "
+                                               "(pass --data-cache-path to put it elsewhere): "
+                                               "cannot write '{file}/cache/GPTDataset_indices'"),
 }
 
 
@@ -247,3 +266,14 @@ def test_data_of_a_larger_vocabulary_than_the_tokenizer(tmp_path):
                                          r"has 3 ids: the data was tokenized with another"):
         build_data(_data_args(tmp_path, "--data-path", prefix, "--tokenizer-model",
                               str(tmp_path / "small.json")))
+
+
+def test_stale_world_size_in_the_shell_is_one_line_not_a_hang(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_llama.py"), *FAST_ARGS,
+                           "--train-iters", "2", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, timeout=180,
+                          env={**env, "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"})
+    _assert_one_line_error(proc, "WORLD_SIZE=2 is set but RANK is not")
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -193,3 +193,16 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path):
                       "loss or gradients and were skipped (--max-skipped-steps 3)"]
     assert "Traceback" not in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_nonfinite_first_step_names_the_flags_of_the_forward_pass():
+    from megatron_ext.training.faults import first_step_suspects
+
+    args = SimpleNamespace(inject_nonfinite_at_step=[], init_method_std=0.02, norm_epsilon=1e-5,
+                           rotary_base=10000.0, seq_length=64)
+    assert first_step_suspects(args, 1) == (
+        "; at step 1, before any update, so from the forward pass: check --init-method-std "
+        "0.02, --norm-epsilon 1e-05, --rotary-base 10000, --seq-length 64 and the data")
+    assert first_step_suspects(args, 2) == ""  # after an update: the update may be the cause
+    args.inject_nonfinite_at_step = [1]
+    assert first_step_suspects(args, 1) == "; at step 1: --inject-nonfinite-at-step 1"
