@@ -162,8 +162,8 @@ def empty_splits(prefix: str, split: str) -> list[tuple[int, str]]:
     found = []
     for i, bookends in enumerate(split_matrix(split)):
         if bookends is not None and split_documents(bookends, count) == 0:
-            other = "a larger train weight" if i == 0 else \
-                f"a --split whose {SPLIT_NAMES[i]} weight is 0"
+            other = ("a larger train weight" if i == 0
+                     else f"a --split whose {SPLIT_NAMES[i]} weight is 0")
             found.append((i, f"--data-path {prefix}: --split {split} gives the "
                              f"{SPLIT_NAMES[i]} split none of its {count} documents; it needs "
                              f"{documents_needed(bookends, count)} or more (or {other})"))

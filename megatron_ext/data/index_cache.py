@@ -35,9 +35,9 @@ def check_cache_writable(prefixes: list[str], cache_dir: str | None) -> None:
     written. Creates nothing."""
     for prefix in prefixes:
         folder = cache_folder(prefix, cache_dir)
-        flag = "--data-cache-path" if cache_dir else \
-            f"--data-path {prefix}: its index cache beside it (pass --data-cache-path to put it " \
-            "elsewhere)"
+        flag = ("--data-cache-path" if cache_dir
+                else f"--data-path {prefix}: its index cache beside it (pass --data-cache-path "
+                     "to put it elsewhere)")
         check_output(folder, flag)
 
 
