@@ -11,9 +11,10 @@ Layout (seeds are JSON object keys, so strings)::
          "val_loss": {"mean", "se"},
          "fp4_flop_frac", "fp4_flop_frac_mean", "gemm_time_vs_bf16", "gemm_time_saving",
          "mem_gib",
-         "vs_reference": {"diffs": {"1234": d}, "mean", "se", "z", "rel_pct"} | null}},
+         "vs_reference": {"diffs": {"1234": d}, "mean", "se", "t", "df", "p", "verdict",
+                          "rel_pct"} | null}},
      "groups": [{"group": "0.5" | null, "ranking": [names, best first],
-                 "margin": {"runner_up", "best", "mean", "se", "z"} | null,
+                 "margin": {"runner_up", "best", "mean", "se", "t", ...} | null,
                  "best_per_seed": {"1234": name}}]}
 
 ``fp4_flop_frac`` is the final plan's FP4 share of the linear-layer FLOPs, ``..._mean`` its
@@ -21,7 +22,9 @@ mean over the logged steps, ``gemm_time_vs_bf16`` the cost model's GEMM time rel
 all-BF16 (mean over the logged steps) and ``gemm_time_saving`` one minus it; all four are
 means over the seeds. ``mem_gib`` is the run's peak memory (the largest logged ``mem_gib``),
 per seed and the largest over the seeds (null where a run logged none). ``vs_reference`` is the paired difference run - reference
-(:mod:`.stats`), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
+with its paired t test and
+verdict (:mod:`.stats`: "lower" / "higher" at p < 0.05 with >= 5 seeds, else "not separable
+at n seeds" with the 95 % interval; n/a with one seed), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
 paired difference runner-up - best of a group (how clearly the best one leads) and
 ``best_per_seed`` the group's lowest loss on each seed (a tie: the first in config order).
 """
@@ -30,7 +33,8 @@ from __future__ import annotations
 
 from megatron_ext.compare.grid import Grid, RunSpec
 from megatron_ext.compare.jobs import RunMetrics
-from megatron_ext.compare.stats import Paired, mean, paired, ranks, standard_error
+from megatron_ext.compare.stats import (DIRECTION_WORDS, Paired, mean, paired, ranks,
+                                        standard_error, verdict)
 
 Metrics = dict[tuple[str, int], RunMetrics]
 """(run name, seed) -> the job's metrics."""
@@ -43,7 +47,7 @@ def losses(metrics: Metrics, name: str, seeds) -> dict[int, float]:
 
 def _paired_json(p: Paired) -> dict:
     return {"diffs": {str(s): d for s, d in p.diffs.items()}, "mean": p.mean, "se": p.se,
-            "z": p.z}
+            "t": p.t, "df": p.df, "p": p.p, "verdict": verdict(p, -1, DIRECTION_WORDS)}
 
 
 def _seed_json(m: RunMetrics) -> dict:

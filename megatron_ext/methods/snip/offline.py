@@ -265,7 +265,7 @@ def plan_problem(refresh: Refresh, policy: str | None = None, layout: Layout = L
     _check_sites(refresh, shape.num_layers)
     weights = (run.get("snip_loss_weight", 1.0), run.get("snip_weight_weight", 1.0))
     q = planner.quality_table(policy, refresh.sites, refresh.options, refresh.loss,
-                              refresh.hyper, shape, run.get("snip_seed", 0), weights)
+                              refresh.hyper, shape, weights=weights)
     fixed = stage_fixed_seconds(shape, stage_of=layer_stage)
     meta = {"step": refresh.step, "policy": policy, "stats": refresh.stats_path,
             "pipeline_stages": shape.pipeline_stages}
