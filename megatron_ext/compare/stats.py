@@ -161,14 +161,16 @@ def place_among_draws(run: dict[int, float], draws: dict[int, list[float]]
 
 
 def describe(diff: Paired, digits: int = 4) -> str:
-    """``+0.0194 ± 0.0087 (t +2.23, 4 df, p 0.090; 5+ 0−)``; one seed: ``+0.0066 (1 seed, n/a)``."""
+    """``+0.0194 ± 0.0087 (t +2.23, 4 df, p 0.090; 5+ 0−)`` (``p < 0.001`` below that, ``3=``
+    for differences exactly 0); one seed: ``+0.0066 (1 seed, n/a)``."""
     if diff.df is None:
         return f"{diff.mean:+.{digits}f} (1 seed, n/a)"
     pos, neg, zero = diff.signs
     t = "n/a" if diff.t is None else f"{diff.t:+.2f}"
     ties = f" {zero}=" if zero else ""
-    return (f"{diff.mean:+.{digits}f} ± {diff.se:.{digits}f} (t {t}, {diff.df} df, "
-            f"p {diff.p:.3f}; {pos}+ {neg}−{ties})")
+    p = "p < 0.001" if diff.p < 0.001 else f"p {diff.p:.3f}"
+    return (f"{diff.mean:+.{digits}f} ± {diff.se:.{digits}f} (t {t}, {diff.df} df, {p}; "
+            f"{pos}+ {neg}−{ties})")
 
 
 def ranks(scores: dict[str, float]) -> dict[str, int]:
