@@ -100,11 +100,24 @@ def _group_lines(results: dict) -> list[str]:
     return lines
 
 
+def _draw_lines(results: dict) -> list[str]:
+    ref = results["grid"]["reference"]
+    lines = []
+    for fam in results.get("draws", []):
+        diff = fam["draws_minus_reference"]
+        places = ", ".join(f"{s}: {k}" for s, k in fam["place"].items())
+        lines.append(f"- `{fam['family']}` ({len(fam['runs'])} draws per seed): `{ref}`'s place "
+                     f"among them per seed ({places}; 0 = better than every draw), permutation "
+                     f"p {fam['permutation_p']:.3f}; mean of the draws − `{ref}` = "
+                     f"{_pm(diff['mean'], diff['se'], True)} ({_t(diff)})")
+    return ["## Random draws", "", *lines] if lines else []
+
+
 def markdown(results: dict, figures: list[str]) -> str:
     """The whole report; ``figures`` are PNG paths relative to ``OUT``."""
     runs = ["## Runs", "", *(f"- `{n}`: `{shlex.join(r['flags']) or '(base flags only)'}`"
                              for n, r in results["runs"].items())]
     pictures = ["## Figures", "", *(f"![{f}]({f})" for f in figures)] if figures else []
     parts = [_header(results), _main_table(results), _seed_table(results),
-             _group_lines(results), runs, pictures]
+             _group_lines(results), _draw_lines(results), runs, pictures]
     return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

@@ -134,3 +134,17 @@ def test_random_draws_expand_the_runs_with_the_placeholder():
         build_grid({**config, "runs": {"recipe": ""}}, {}, [])
     with pytest.raises(UsageError, match="positive integer"):
         build_grid({**config, "random_draws": 0}, {}, [])
+
+
+def test_draw_families_report_the_references_place_and_permutation_p():
+    config = {"seeds": [1, 2], "random_draws": 2, "reference": "recipe",
+              "runs": {"recipe": "", "random": "--x {draw}"}}
+    grid = build_grid(config, {}, [])
+    loss = {"recipe": (3, 3), "random.d0": (4, 2), "random.d1": (5, 6)}
+    table = {(n, s): m for n, v in loss.items() for s, m in zip((1, 2), metrics(v))}
+    (fam,) = collect(grid, table)["draws"]
+    # seed 1: draws 4, 5 -> place 0; seed 2: draws 2, 6 -> place 1; P(sum of two U{0,1,2} <= 1)
+    assert fam["place"] == {"1": 0, "2": 1} and fam["permutation_p"] == pytest.approx(3 / 9)
+    # mean of the draws - recipe: (4.5 - 3, 4 - 3) = (1.5, 1)
+    assert fam["draws_minus_reference"]["diffs"] == {"1": 1.5, "2": 1.0}
+    assert "permutation p 0.333" in markdown(collect(grid, table), [])
