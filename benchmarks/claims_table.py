@@ -15,8 +15,9 @@ reads). ``row.json``::
                         "expected": "+" | "-" | "0", "digits": 4}},  # or "diff": "col"
      "provenance": {...}}              # commit, command, where transcribed numbers come from
 
-A test is the paired difference ``run - reference`` (or the column ``diff``) over the seeds
-of its file, with ``megatron_ext.compare.stats``'s t test (``{name}``: mean ± SE, t, df, p,
+A test is the paired difference ``run - reference`` (or the column ``diff``; or, with
+``"draws": [columns]``, the mean of the draws - reference, with the reference's place among
+the draws per seed and its permutation p) over the seeds of its file, with ``megatron_ext.compare.stats``'s t test (``{name}``: mean ± SE, t, df, p,
 sign count, ``digits`` decimals, default 4; one seed: n/a) and the verdict rule (``{name.verdict}``: reproduced / refuted at
 p < 0.05 with >= 5 seeds in the claimed direction ``expected``, else not separable at n seeds
 with the 95 % interval). The table is written between ``<!-- claims-table:begin -->`` and
@@ -35,7 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_ext.compare.stats import Paired, describe, paired, paired_diffs, verdict  # noqa: E402
+from megatron_ext.compare.stats import (Paired, describe, paired, paired_diffs,  # noqa: E402
+                                        place_among_draws, verdict)
 
 CLAIMS = ROOT / "benchmarks" / "results" / "claims"
 """One folder per claim row."""
@@ -62,24 +64,34 @@ def read_columns(path: Path) -> dict[str, dict[int, float]]:
     return columns
 
 
-def run_test(folder: Path, spec: dict) -> Paired:
-    """The paired differences a test of ``row.json`` names."""
+def run_test(folder: Path, spec: dict) -> tuple[Paired, str]:
+    """The paired differences a test of ``row.json`` names, and the text after its numbers
+    (for draws: the reference's place among them per seed and the permutation p)."""
     columns = read_columns(folder / spec["file"])
     if "diff" in spec:
-        return paired_diffs(columns[spec["diff"]])
-    return paired(columns[spec["run"]], columns[spec["reference"]])
+        return paired_diffs(columns[spec["diff"]]), ""
+    ref = columns[spec["reference"]]
+    if "draws" not in spec:
+        return paired(columns[spec["run"]], ref), ""
+    seeds = [s for s in ref if all(s in columns[d] for d in spec["draws"])]
+    per_seed = {s: [columns[d][s] for d in spec["draws"]] for s in seeds}
+    place, p = place_among_draws({s: ref[s] for s in seeds}, per_seed)
+    diff = paired({s: sum(v) / len(v) for s, v in per_seed.items()}, ref)
+    return diff, (f"; the reference's place among the {len(spec['draws'])} draws per seed "
+                  f"{' / '.join(str(place[s]) for s in seeds)} (0: better than every draw), "
+                  f"permutation p {p:.3f}")
 
 
 def render_row(folder: Path) -> tuple[float, str]:
     """(order, the row's Markdown line)."""
     row = json.loads((folder / "row.json").read_text())
-    tests = {name: (run_test(folder, spec), EXPECTED[spec["expected"]], spec.get("digits", 4))
+    tests = {name: (*run_test(folder, spec), EXPECTED[spec["expected"]], spec.get("digits", 4))
              for name, spec in row.get("tests", {}).items()}
 
     def fill(text: str) -> str:
         def one(match: re.Match) -> str:
-            diff, expected, digits = tests[match.group(1)]
-            return verdict(diff, expected) if match.group(2) else describe(diff, digits)
+            diff, extra, expected, digits = tests[match.group(1)]
+            return verdict(diff, expected) if match.group(2) else describe(diff, digits) + extra
         return FIELD.sub(one, text)
 
     cells = [row["claim"], row["regime"], fill(row["result"]), fill(row["verdict"])]

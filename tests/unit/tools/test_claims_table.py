@@ -45,3 +45,19 @@ def test_every_row_has_evidence_files_and_a_verdict_by_the_rule():
             folder.name
         own = claims_table.FIELD.sub("", row["verdict"])
         assert not any(w in own for w in ("reproduced", "refuted", "not separable")), folder.name
+
+
+def test_a_row_with_random_draws(tmp_path):
+    (tmp_path / "seeds.csv").write_text("seed,recipe,r.d0,r.d1\n1,3.0,4.0,5.0\n2,3.0,2.0,6.0\n")
+    (tmp_path / "row.json").write_text(json.dumps({
+        "order": 1, "claim": "c", "regime": "r", "result": "{x}", "verdict": "{x.verdict}",
+        "tests": {"x": {"file": "seeds.csv", "reference": "recipe", "draws": ["r.d0", "r.d1"],
+                        "expected": "+"}}, "provenance": {"seeds.csv": "made up"}}))
+    # mean of the draws - recipe: 1.5, 1.0 -> mean 1.25, se 0.25, t 5 with 1 df: p = 1 - 2 atan(5)/pi
+    # = 0.126, 95 % CI 1.25 ± 12.7062 * 0.25 = 1.25 ± 3.1766;
+    # places 0 and 1 of 2 draws: P(U1 + U2 <= 1), U uniform on {0, 1, 2}, = 3/9
+    _, line = claims_table.render_row(tmp_path)
+    assert line == ("| c | r | +1.2500 ± 0.2500 (t +5.00, 1 df, p 0.126; 2+ 0−); the reference's "
+                    "place among the 2 draws per seed 0 / 1 (0: better than every draw), "
+                    "permutation p 0.333 | not separable at 2 seeds (95 % CI -1.9266 to "
+                    "+4.4266) |")
