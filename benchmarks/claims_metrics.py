@@ -83,7 +83,8 @@ def main(argv=None) -> int:
         losses = {s: v["val"][1] for s, v in done.items()}
         line = [f"{name}: seeds {sorted(seeds)} at steps {[v['step'] for v in seeds.values()]}"]
         if losses:
-            line.append(f"val {fmt(list(losses.values()))} (step {[v['val'][0] for v in done.values()]})")
+            steps = [v["val"][0] for v in done.values()]
+            line.append(f"val {fmt(list(losses.values()))} (step {steps})")
         same = {s: ref[s]["val"][1] for s in losses
                 if s in ref and ref[s]["val"] and ref[s]["val"][0] == done[s]["val"][0]}
         if same and name != opts.reference:

@@ -16,12 +16,14 @@ reads). ``row.json``::
      "provenance": {...}}              # commit, command, where transcribed numbers come from
 
 A test is the paired difference ``run - reference`` (or the column ``diff``; or, with
-``"draws": [columns]``, the mean of the draws - reference, with the reference's place among
-the draws per seed and its permutation p) over the seeds of its file, with ``megatron_ext.compare.stats``'s t test (``{name}``: mean ± SE, t, df, p,
-sign count, ``digits`` decimals, default 4; one seed: n/a) and the verdict rule (``{name.verdict}``: reproduced / refuted at
-p < 0.05 with >= 5 seeds in the claimed direction ``expected``, else not separable at n seeds
-with the 95 % interval). The table is written between ``<!-- claims-table:begin -->`` and
-``<!-- claims-table:end -->`` and nowhere else.
+``"draws": [columns]``, the mean of the draws - reference, with the reference's place among the
+draws per seed and its permutation p) over the seeds of its file, with
+``megatron_ext.compare.stats``'s t test (``{name}``: mean ± SE, t, df, p, sign count,
+``digits`` decimals, default 4; one seed: n/a) and the verdict rule (``{name.verdict}``:
+reproduced / refuted at p < 0.05 with >= 5 seeds in the claimed direction ``expected``, else
+not separable at n seeds with the 95 % interval).
+The table is written between ``<!-- claims-table:begin -->`` and ``<!-- claims-table:end -->``
+and nowhere else.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ def _header(results: dict) -> list[str]:
              "± = standard error over the seeds."]
     if grid["reference"]:
         lines.append(f"Δ = paired difference run − `{grid['reference']}` on the same seed, "
-                     "± its standard error; Δ % relative to the reference's mean loss; t = Δ / standard error, Student's paired t test with "
-                     "its degrees of freedom and two-sided p; verdict: `lower` / `higher` "
+                     "± its standard error; Δ % relative to the reference's mean loss; "
+                     "t = Δ / standard error, Student's paired t test with its degrees of "
+                     "freedom and two-sided p; verdict: `lower` / `higher` "
                      "at p < 0.05 with ≥ 5 seeds, else not separable with the 95 % "
                      "interval (`megatron_ext/compare/stats.py`).")
     within = f" within its `{grid['group_by']}` group" if grid["group_by"] else ""

@@ -21,12 +21,12 @@ Layout (seeds are JSON object keys, so strings)::
 
 ``fp4_flop_frac`` is the final plan's FP4 share of the linear-layer FLOPs, ``..._mean`` its
 mean over the logged steps, ``gemm_time_vs_bf16`` the cost model's GEMM time relative to
-all-BF16 (mean over the logged steps) and ``gemm_time_saving`` one minus it; all four are
-means over the seeds. ``mem_gib`` is the run's peak memory (the largest logged ``mem_gib``),
-per seed and the largest over the seeds (null where a run logged none). ``vs_reference`` is the paired difference run - reference
-with its paired t test and
-verdict (:mod:`.stats`: "lower" / "higher" at p < 0.05 with >= 5 seeds, else "not separable
-at n seeds" with the 95 % interval; n/a with one seed), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
+all-BF16 (mean over the logged steps) and ``gemm_time_saving`` one minus it; all four are means
+over the seeds. ``mem_gib`` is the run's peak memory (the largest logged ``mem_gib``), per seed
+and the largest over the seeds (null where a run logged none). ``vs_reference`` is the paired
+difference run - reference with its paired t test and verdict (:mod:`.stats`: "lower" /
+"higher" at p < 0.05 with >= 5 seeds, else "not separable at n seeds" with the 95 % interval;
+n/a with one seed), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
 paired difference runner-up - best of a group (how clearly the best one leads) and
 ``best_per_seed`` the group's lowest loss on each seed (a tie: the first in config order).
 ``draws``: each family of random draws (``random_draws``: runs ``NAME.d<i>``) against the

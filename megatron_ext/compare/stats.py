@@ -8,20 +8,24 @@ standard deviation ``sd = sqrt(Σ_s (L[r, s] - mean)² / (n - 1))``; the standar
 mean is ``se = sd / sqrt(n)`` — how far the mean would move if the seeds were drawn again.
 With one seed there is no spread to measure and no standard error (None).
 
-**Paired differences.** A seed fixes the initial weights and the data order, so two runs of
-the same seed differ only by their flags; much of the seed-to-seed variation (a lucky init,
-an easy batch order) is shared and cancels in ``d[s] = L[r, s] - L[ref, s]``. The paired
-difference is ``mean(d)`` with standard error ``sd(d) / sqrt(n)``; it is the same number as
-``mean(L[r]) - mean(L[ref])`` but its standard error is usually much smaller than that of
-either mean. ``t = mean(d) / se(d)`` is Student's paired t statistic with ``n - 1`` degrees of freedom;
-its two-sided p (scipy.stats.t) is the chance of a ``|t|`` at least this large if the flags
-made no difference. With 3 seeds t needs 4.3 for p < 0.05, with 5 seeds 2.78, with 8 2.36;
-the 95 % interval ``mean ± t_0.975(n-1) · se`` bounds the effects the data leave possible.
+**Paired differences.** A seed fixes the initial weights and the data order, so two runs of the
+same seed differ only by their flags; much of the seed-to-seed variation (a lucky init, an easy
+batch order) is shared and cancels in ``d[s] = L[r, s] - L[ref, s]``. The paired difference is
+``mean(d)`` with standard error ``sd(d) / sqrt(n)``; it is the same number as ``mean(L[r]) -
+mean(L[ref])`` but its standard error is usually much smaller than that of either mean. ``t =
+mean(d) / se(d)`` is Student's paired t statistic with ``n - 1`` degrees of freedom; its
+two-sided p (scipy.stats.t) is the chance of a ``|t|`` at least this large if the flags made no
+difference. With 3 seeds t needs 4.3 for p < 0.05, with 5 seeds 2.78, with 8 2.36; the 95 %
+interval ``mean ± t_0.975(n-1) · se`` bounds the effects the data leave possible.
 
 **The verdict rule** (:func:`verdict`, the one place it is written): a claim is
 *reproduced* when the difference lies in the paper's direction at p < 0.05 with at least 5
 seeds, *refuted* when it lies the opposite way under the same rule, and otherwise *not
 separable at n seeds*, with the 95 % interval; with one seed there is no test (n/a).
+
+**Random draws.** A random baseline drawn K times per seed is a distribution, not one run:
+:func:`place_among_draws` gives a run's place among the draws on each seed and the exact
+permutation p of those places.
 
 **Ranks.** Within a group, runs are ranked by mean loss, 1 = lowest; equal means share the
 best rank of the tie and the next rank skips (1, 2, 2, 4: "competition" ranking).
@@ -130,11 +134,14 @@ lower)."""
 
 def verdict(diff: Paired, expected: int, words: tuple[str, str] = VERDICT_WORDS) -> str:
     """The verdict on a claim that the mean difference has sign ``expected`` (+1 / -1; 0: the
-    claim is no difference). ``words[0]`` (reproduced) when the difference lies in the claimed
-    direction at two-sided p < ``ALPHA`` with at least ``MIN_SEEDS`` seeds; ``words[1]``
-    (refuted) when it lies the opposite way (for ``expected`` 0, a claim of parity: either
-    way; a t test cannot show parity, only bound the gap) under the same rule; otherwise ``not separable at n seeds`` with the 95 % interval the data leave
-    (effects outside it are excluded at p < 0.05); one seed: ``n/a (1 seed)``."""
+    claim is no difference).
+
+    ``words[0]`` (reproduced) when the difference lies in the claimed direction at two-sided
+    p < ``ALPHA`` with at least ``MIN_SEEDS`` seeds; ``words[1]`` (refuted) when it lies the
+    opposite way under the same rule (for ``expected`` 0, a claim of parity: either way; a t
+    test cannot show parity, only bound the gap); otherwise ``not separable at n seeds`` with
+    the 95 % interval the data leave (effects outside it are excluded at p < 0.05); one
+    seed: ``n/a (1 seed)``."""
     if diff.df is None:
         return "n/a (1 seed)"
     if diff.n >= MIN_SEEDS and diff.p < ALPHA:

@@ -59,7 +59,8 @@ def test_pgq_k_draws_are_k_plans():
 def test_snip_random_draws_from_the_training_seed():
     seeds = [config_from_args(_args(["--precision", "random", "--seed", s])).seed
              for s in ("1", "2")]
-    assert seeds == [1, 2] and _solve("random", 0.5, 1)[0].sites != _solve("random", 0.5, 2)[0].sites
+    assert seeds == [1, 2]
+    assert _solve("random", 0.5, 1)[0].sites != _solve("random", 0.5, 2)[0].sites
     draws = [config_from_args(_args(["--precision", "random", "--seed", "1234",
                                      "--snip-random-draw", str(i)])).seed for i in range(3)]
     plans = [frozenset(_solve("random", 0.5, s)[0].sites.items()) for s in draws]

@@ -53,8 +53,8 @@ def test_a_row_with_random_draws(tmp_path):
         "order": 1, "claim": "c", "regime": "r", "result": "{x}", "verdict": "{x.verdict}",
         "tests": {"x": {"file": "seeds.csv", "reference": "recipe", "draws": ["r.d0", "r.d1"],
                         "expected": "+"}}, "provenance": {"seeds.csv": "made up"}}))
-    # mean of the draws - recipe: 1.5, 1.0 -> mean 1.25, se 0.25, t 5 with 1 df: p = 1 - 2 atan(5)/pi
-    # = 0.126, 95 % CI 1.25 ± 12.7062 * 0.25 = 1.25 ± 3.1766;
+    # mean of the draws - recipe: 1.5, 1.0 -> mean 1.25, se 0.25, t 5 with 1 df:
+    # p = 1 - 2 atan(5)/pi = 0.126, 95 % CI 1.25 ± 12.7062 * 0.25 = 1.25 ± 3.1766;
     # places 0 and 1 of 2 draws: P(U1 + U2 <= 1), U uniform on {0, 1, 2}, = 3/9
     _, line = claims_table.render_row(tmp_path)
     assert line == ("| c | r | +1.2500 ± 0.2500 (t +5.00, 1 df, p 0.126; 2+ 0−); the reference's "
