@@ -15,9 +15,10 @@ reads). ``row.json``::
                         "expected": "+" | "-" | "0", "digits": 4}},  # or "diff": "col"
      "provenance": {...}}              # commit, command, where transcribed numbers come from
 
-A test is the paired difference ``run - reference`` (or the column ``diff``; or, with
-``"draws": [columns]``, the mean of the draws - reference, with the reference's place among the
-draws per seed and its permutation p) over the seeds of its file, with
+A test is the paired difference ``run - reference`` (or ``run - reference_value``, a number;
+or the column ``diff``; or, with ``"draws": [columns]``, the mean of the draws - reference,
+with the reference's place among the draws per seed and its permutation p) over the seeds of
+its file, with
 ``megatron_ext.compare.stats``'s t test (``{name}``: mean ± SE, t, df, p, sign count,
 ``digits`` decimals, default 4; one seed: n/a) and the verdict rule (``{name.verdict}``:
 reproduced / refuted at p < 0.05 with >= 5 seeds in the claimed direction ``expected``, else
@@ -72,6 +73,9 @@ def run_test(folder: Path, spec: dict) -> tuple[Paired, str]:
     columns = read_columns(folder / spec["file"])
     if "diff" in spec:
         return paired_diffs(columns[spec["diff"]]), ""
+    if "reference_value" in spec:  # a claimed number, e.g. AdamW's 8 bytes per parameter
+        run = columns[spec["run"]]
+        return paired(run, {s: spec["reference_value"] for s in run}), ""
     ref = columns[spec["reference"]]
     if "draws" not in spec:
         return paired(columns[spec["run"]], ref), ""
