@@ -61,3 +61,15 @@ def test_a_row_with_random_draws(tmp_path):
                     "place among the 2 draws per seed 0 / 1 (0: better than every draw), "
                     "permutation p 0.333 | not separable at 2 seeds (95 % CI -1.9266 to "
                     "+4.4266) |")
+
+
+def test_a_row_against_a_claimed_number(tmp_path):
+    (tmp_path / "seeds.csv").write_text("seed,bytes\n1,1.0\n2,2.0\n")
+    (tmp_path / "row.json").write_text(json.dumps({
+        "order": 1, "claim": "c", "regime": "r", "result": "{x}", "verdict": "{x.verdict}",
+        "tests": {"x": {"file": "seeds.csv", "run": "bytes", "reference_value": 8,
+                        "expected": "-", "digits": 1}}, "provenance": {"seeds.csv": "made up"}}))
+    # 1 - 8, 2 - 8: mean -6.5, se 0.5, t -13 with 1 df
+    _, line = claims_table.render_row(tmp_path)
+    assert line.startswith("| c | r | -6.5 ± 0.5 (t -13.00, 1 df, p 0.049; 0+ 2−) | "
+                           "not separable at 2 seeds")
