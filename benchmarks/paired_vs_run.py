@@ -5,7 +5,8 @@
 ``tools/compare_precision.py`` pairs every run with the grid's reference (FP32). This pairs
 them with a method instead, within each group (``group_by``, e.g. ``--snip-budget``): for
 every group the run named ``<prefix>-<group>`` against every other run of that group,
-``mean ± standard error (z)`` over the seeds both have (``megatron_ext.compare.stats``).
+``mean ± standard error (t, df, p; signs)`` and the verdict over the seeds both have
+(``megatron_ext.compare.stats``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ext.compare.stats import paired  # noqa: E402
+from megatron_ext.compare.stats import DIRECTION_WORDS, describe, paired, verdict  # noqa: E402
 
 
 def losses(run: dict) -> dict[int, float]:
@@ -40,8 +41,7 @@ def main(argv=None) -> int:
         for other, run in runs.items():
             if run.get("group") == group and other != name:
                 d = paired(losses(runs[name]), losses(run))
-                z = f"{d.z:+.1f}" if d.z is not None else "-"
-                print(f"  {other:24} {d.mean:+.4f} ± {d.se or 0:.4f} (z {z})")
+                print(f"  {other:24} {describe(d)}: {verdict(d, -1, DIRECTION_WORDS)}")
     return 0
 
 

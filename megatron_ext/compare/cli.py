@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jobs in DIR/runs/NAME/seed_S; results.json, results.md, img/*.png")
     p.add_argument("--config", metavar="GRID.yaml",
                    help="YAML or JSON grid: keys entry, base_flags, seeds, reference, "
-                        "group_by, runs (the flags below replace or extend it)")
+                        "group_by, random_draws, runs (the flags below replace or extend it)")
     p.add_argument("--run", action="append", default=[], metavar="NAME=FLAGS",
                    help="a run and its pretrain flags (repeat; added to the config's runs); "
                         "write --run NAME=\"--flag v\" or --run \"NAME=--flag v\"")
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-by", metavar="FLAG",
                    help="rank runs within groups of equal values of this flag, e.g. "
                         "--group-by=--snip-budget (or snip-budget)")
+    p.add_argument("--random-draws", type=int, metavar="K",
+                   help="every run whose flags contain {draw} (e.g. --pgq-random "
+                        "--pgq-random-draw {draw}) becomes K runs NAME.d0 .. NAME.d<K-1>, "
+                        "one random draw each per seed (replaces the config's random_draws)")
     p.add_argument("--base-flags", metavar="FLAGS",
                    help="flags of every run, appended to the config's base flags; write "
                         "--base-flags=\"--train-iters 40\"")
@@ -69,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _grid(args: argparse.Namespace):
     config = load_config(args.config) if args.config else {}
     cli = {"seeds": args.seeds, "reference": args.reference, "group_by": args.group_by,
-           "entry": args.entry, "base_flags": args.base_flags}
+           "entry": args.entry, "base_flags": args.base_flags,
+           "random_draws": args.random_draws}
     return build_grid(config, cli, args.run)
 
 

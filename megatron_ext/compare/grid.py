@@ -7,6 +7,7 @@ A config is a YAML (or JSON) mapping with these keys (only ``runs`` and ``seeds`
     seeds: [1234, 1235, 1236]         # or "1234,1235,1236"
     reference: fp32                   # paired differences against this run
     group_by: --snip-budget           # rank runs within groups of this flag's value
+    random_draws: 4                   # a run with {draw} in its flags: 4 runs NAME.d0-d3
     runs:                             # name -> flags (string or list); "" = base flags only
       fp32: ""
       snip-0.5: --precision snip --snip-budget 0.5
@@ -14,6 +15,12 @@ A config is a YAML (or JSON) mapping with these keys (only ``runs`` and ``seeds`
 The command line's values replace the config's, ``--base-flags`` is appended to the config's
 base flags (pretrain's argparse: a later flag wins) and ``--run`` adds runs. The tool sets
 ``--seed``, ``--run-dir`` and ``--no-save`` of every job itself, so the flags must not.
+
+``random_draws: K`` makes a random baseline a distribution: every run whose flags contain
+the placeholder ``{draw}`` (``--pgq-random --pgq-random-draw {draw}``, ``--precision random
+--snip-random-draw {draw}``) becomes the K runs ``NAME.d0`` .. ``NAME.d<K-1>`` with ``{draw}``
+replaced by 0 .. K-1: K random plans per training seed (``benchmarks/claims_metrics.py
+--draws NAME`` gives the recipe's place among them, a permutation p).
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from pathlib import Path
 
 from megatron_ext.errors import UsageError
 
-CONFIG_KEYS = ("entry", "base_flags", "seeds", "reference", "group_by", "runs")
+CONFIG_KEYS = ("entry", "base_flags", "seeds", "reference", "group_by", "random_draws",
+               "runs")
 """Keys a config may have."""
 OWNED_FLAGS = ("--seed", "--run-dir", "--save", "--no-save")
 """Flags the tool sets on every job (the runs' flags must not)."""
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 """A run name: also a directory name, so letters, digits and ``._+-`` only."""
+DRAW = "{draw}"
+"""The placeholder of a random draw's index in a run's flags (``random_draws``)."""
 DEFAULT_ENTRY = "pretrain_llama.py"
 """The training script when neither config nor flags name one."""
 
@@ -189,6 +199,29 @@ def _runs(config_runs, extra: list[str]) -> tuple[RunSpec, ...]:
     return tuple(RunSpec(n, f) for n, f in named)
 
 
+def expand_draws(runs: tuple[RunSpec, ...], draws) -> tuple[RunSpec, ...]:
+    """Each run with :data:`DRAW` in its flags as ``draws`` runs ``NAME.d<i>`` (None: as
+    given, the placeholder then an error)."""
+    has = [r for r in runs if any(DRAW in f for f in r.flags)]
+    if draws is None:
+        if has:
+            raise UsageError(f"run {has[0].name}: {DRAW} in its flags needs random_draws "
+                             "(--random-draws K)")
+        return runs
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise UsageError(f"random_draws: expected a positive integer, got {draws!r}")
+    if not has:
+        raise UsageError(f"random_draws {draws}: no run has {DRAW} in its flags")
+    out = []
+    for run in runs:
+        if run in has:
+            out += [RunSpec(f"{run.name}.d{i}", tuple(f.replace(DRAW, str(i)) for f in run.flags))
+                    for i in range(draws)]
+        else:
+            out.append(run)
+    return tuple(out)
+
+
 def _group_flag(value) -> str | None:
     if value is None:
         return None
@@ -209,7 +242,8 @@ def build_grid(config: dict, cli: dict, extra_runs: list[str]) -> Grid:
     entry = merged.get("entry", DEFAULT_ENTRY)
     if not isinstance(entry, str) or not entry:
         raise UsageError(f"entry: expected a script path, got {entry!r}")
-    grid = Grid(_runs(config.get("runs"), extra_runs), parse_seeds(merged["seeds"], "seeds"),
+    runs = expand_draws(_runs(config.get("runs"), extra_runs), merged.get("random_draws"))
+    grid = Grid(runs, parse_seeds(merged["seeds"], "seeds"),
                 entry, base, merged.get("reference"), _group_flag(merged.get("group_by")))
     names = [r.name for r in grid.runs]
     if grid.reference is not None and grid.reference not in names:

@@ -11,8 +11,12 @@ def _pm(value: float, se: float | None, signed: bool = False) -> str:
     return f"{text} ± {se:.4f}" if se is not None else f"{text} ± n/a"
 
 
-def _z(z: float | None) -> str:
-    return f"{z:+.1f}" if z is not None else "n/a"
+def _t(diff: dict) -> str:
+    """``t +2.23, 4 df, p 0.090`` (n/a with one seed; ``t n/a`` when every difference is 0)."""
+    if diff["df"] is None:
+        return "n/a"
+    t = "n/a" if diff["t"] is None else f"{diff['t']:+.2f}"
+    return f"t {t}, {diff['df']} df, p {diff['p']:.3f}"
 
 
 def _group(group: str | None) -> str:
@@ -30,8 +34,11 @@ def _header(results: dict) -> list[str]:
              "± = standard error over the seeds."]
     if grid["reference"]:
         lines.append(f"Δ = paired difference run − `{grid['reference']}` on the same seed, "
-                     "± its standard error; z = Δ / standard error; Δ % relative to the "
-                     "reference's mean loss.")
+                     "± its standard error; Δ % relative to the reference's mean loss; "
+                     "t = Δ / standard error, Student's paired t test with its degrees of "
+                     "freedom and two-sided p; verdict: `lower` / `higher` "
+                     "at p < 0.05 with ≥ 5 seeds, else not separable with the 95 % "
+                     "interval (`megatron_ext/compare/stats.py`).")
     within = f" within its `{grid['group_by']}` group" if grid["group_by"] else ""
     lines += [f"Rank 1 = lowest mean loss{within}. FP4 = FP4 share of the linear-layer FLOPs "
               "of the final plan (mean over the logged steps); GEMM saving = 1 − the cost "
@@ -45,7 +52,7 @@ def _main_table(results: dict) -> list[str]:
     grid = results["grid"]
     ref = grid["reference"]
     cols = ["run", *(["group"] if grid["group_by"] else []), "rank", "val loss",
-            *([f"Δ vs `{ref}`", "Δ %", "z"] if ref else []), "FP4 final (mean)",
+            *([f"Δ vs `{ref}`", "Δ %", "t test", "verdict"] if ref else []), "FP4 final (mean)",
             "GEMM saving", "peak mem GiB"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, run in results["runs"].items():
@@ -54,7 +61,7 @@ def _main_table(results: dict) -> list[str]:
         if ref:
             diff = run["vs_reference"]
             cells += [_pm(diff["mean"], diff["se"], True), f"{diff['rel_pct']:+.2f} %",
-                      _z(diff["z"])] if diff else ["(reference)", "", ""]
+                      _t(diff), diff["verdict"]] if diff else ["(reference)", "", "", ""]
         cells += [f"{run['fp4_flop_frac']:.3f} ({run['fp4_flop_frac_mean']:.3f})",
                   f"{100 * run['gemm_time_saving']:.1f} %",
                   "n/a" if run.get("mem_gib") is None else f"{run['mem_gib']:.2f}"]
@@ -87,11 +94,24 @@ def _group_lines(results: dict) -> list[str]:
         margin = group["margin"]
         lead = "" if margin is None else (
             f"; runner-up − best = {_pm(margin['mean'], margin['se'], True)} "
-            f"(z = {_z(margin['z'])}, paired)")
+            f"({_t(margin)}, paired: {margin['verdict']})")
         wins = list(group["best_per_seed"].values()).count(group["ranking"][0])
         lines.append(f"- {label}: {order}{lead}; `{group['ranking'][0]}` is best on {wins} "
                      f"of {len(group['best_per_seed'])} seeds")
     return lines
+
+
+def _draw_lines(results: dict) -> list[str]:
+    ref = results["grid"]["reference"]
+    lines = []
+    for fam in results.get("draws", []):
+        diff = fam["draws_minus_reference"]
+        places = ", ".join(f"{s}: {k}" for s, k in fam["place"].items())
+        lines.append(f"- `{fam['family']}` ({len(fam['runs'])} draws per seed): `{ref}`'s place "
+                     f"among them per seed ({places}; 0 = better than every draw), permutation "
+                     f"p {fam['permutation_p']:.3f}; mean of the draws − `{ref}` = "
+                     f"{_pm(diff['mean'], diff['se'], True)} ({_t(diff)})")
+    return ["## Random draws", "", *lines] if lines else []
 
 
 def markdown(results: dict, figures: list[str]) -> str:
@@ -100,5 +120,5 @@ def markdown(results: dict, figures: list[str]) -> str:
                              for n, r in results["runs"].items())]
     pictures = ["## Figures", "", *(f"![{f}]({f})" for f in figures)] if figures else []
     parts = [_header(results), _main_table(results), _seed_table(results),
-             _group_lines(results), runs, pictures]
+             _group_lines(results), _draw_lines(results), runs, pictures]
     return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

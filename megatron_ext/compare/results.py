@@ -11,26 +11,38 @@ Layout (seeds are JSON object keys, so strings)::
          "val_loss": {"mean", "se"},
          "fp4_flop_frac", "fp4_flop_frac_mean", "gemm_time_vs_bf16", "gemm_time_saving",
          "mem_gib",
-         "vs_reference": {"diffs": {"1234": d}, "mean", "se", "z", "rel_pct"} | null}},
+         "vs_reference": {"diffs": {"1234": d}, "mean", "se", "t", "df", "p", "verdict",
+                          "rel_pct"} | null}},
      "groups": [{"group": "0.5" | null, "ranking": [names, best first],
-                 "margin": {"runner_up", "best", "mean", "se", "z"} | null,
-                 "best_per_seed": {"1234": name}}]}
+                 "margin": {"runner_up", "best", "mean", "se", "t", ...} | null,
+                 "best_per_seed": {"1234": name}}],
+     "draws": [{"family", "runs", "place": {"1234": k}, "permutation_p",
+                "draws_minus_reference": {"diffs", "mean", "se", "t", ...}}]}
 
 ``fp4_flop_frac`` is the final plan's FP4 share of the linear-layer FLOPs, ``..._mean`` its
 mean over the logged steps, ``gemm_time_vs_bf16`` the cost model's GEMM time relative to
-all-BF16 (mean over the logged steps) and ``gemm_time_saving`` one minus it; all four are
-means over the seeds. ``mem_gib`` is the run's peak memory (the largest logged ``mem_gib``),
-per seed and the largest over the seeds (null where a run logged none). ``vs_reference`` is the paired difference run - reference
-(:mod:`.stats`), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
+all-BF16 (mean over the logged steps) and ``gemm_time_saving`` one minus it; all four are means
+over the seeds. ``mem_gib`` is the run's peak memory (the largest logged ``mem_gib``), per seed
+and the largest over the seeds (null where a run logged none). ``vs_reference`` is the paired
+difference run - reference with its paired t test and verdict (:mod:`.stats`: "lower" /
+"higher" at p < 0.05 with >= 5 seeds, else "not separable at n seeds" with the 95 % interval;
+n/a with one seed), ``rel_pct`` its mean relative to the reference's mean loss; ``margin`` the
 paired difference runner-up - best of a group (how clearly the best one leads) and
 ``best_per_seed`` the group's lowest loss on each seed (a tie: the first in config order).
+``draws``: each family of random draws (``random_draws``: runs ``NAME.d<i>``) against the
+reference: the reference's place among the draws per seed (how many score at most its loss),
+the permutation p of :func:`.stats.place_among_draws` and the paired difference
+mean(draws) - reference.
 """
 
 from __future__ import annotations
 
 from megatron_ext.compare.grid import Grid, RunSpec
 from megatron_ext.compare.jobs import RunMetrics
-from megatron_ext.compare.stats import Paired, mean, paired, ranks, standard_error
+import re
+
+from megatron_ext.compare.stats import (DIRECTION_WORDS, Paired, mean, paired,
+                                        place_among_draws, ranks, standard_error, verdict)
 
 Metrics = dict[tuple[str, int], RunMetrics]
 """(run name, seed) -> the job's metrics."""
@@ -43,7 +55,7 @@ def losses(metrics: Metrics, name: str, seeds) -> dict[int, float]:
 
 def _paired_json(p: Paired) -> dict:
     return {"diffs": {str(s): d for s, d in p.diffs.items()}, "mean": p.mean, "se": p.se,
-            "z": p.z}
+            "t": p.t, "df": p.df, "p": p.p, "verdict": verdict(p, -1, DIRECTION_WORDS)}
 
 
 def _seed_json(m: RunMetrics) -> dict:
@@ -98,6 +110,32 @@ def _groups(grid: Grid, runs: dict, metrics: Metrics) -> list[dict]:
     return groups
 
 
+DRAW_NAME = re.compile(r"(.+)\.d(\d+)")
+"""A run made by ``random_draws``: ``NAME.d<i>``."""
+
+
+def _draws(grid: Grid, metrics: Metrics) -> list[dict]:
+    """Each family of random draws against the reference: its place per seed (draws scoring
+    at most the reference), the permutation p, and mean(draws) - reference paired."""
+    families: dict[str, list[str]] = {}
+    for run in grid.runs:
+        match = DRAW_NAME.fullmatch(run.name)
+        if match:
+            families.setdefault(match.group(1), []).append(run.name)
+    if grid.reference is None:
+        return []
+    ref = losses(metrics, grid.reference, grid.seeds)
+    out = []
+    for family, names in families.items():
+        per_seed = {s: [metrics[n, s].val_loss for n in names] for s in grid.seeds}
+        place, p = place_among_draws(ref, per_seed)
+        diff = paired({s: mean(v) for s, v in per_seed.items()}, ref)
+        out.append({"family": family, "runs": names, "place": {str(s): k for s, k in
+                                                               place.items()},
+                    "permutation_p": p, "draws_minus_reference": _paired_json(diff)})
+    return out
+
+
 def grid_json(grid: Grid) -> dict:
     """The grid as given (flags as lists)."""
     return {"entry": grid.entry, "base_flags": list(grid.base_flags), "seeds": list(grid.seeds),
@@ -109,4 +147,5 @@ def collect(grid: Grid, metrics: Metrics) -> dict:
     """The results mapping of a grid whose every job finished."""
     runs = {run.name: _run_json(grid, run, metrics) for run in grid.runs}
     groups = _groups(grid, runs, metrics)
-    return {"version": 1, "grid": grid_json(grid), "runs": runs, "groups": groups}
+    return {"version": 1, "grid": grid_json(grid), "runs": runs, "groups": groups,
+            "draws": _draws(grid, metrics)}

@@ -15,6 +15,7 @@ from megatron_ext.extension import Conflict
 from megatron_ext.methods.pgq.recipe import FORWARD, MODES, NO_ROOFLINE, RecipeConfig
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 from megatron_ext.precision.cost import DEVICES
+from megatron_ext.precision.random_draw import draw_seed
 from megatron_ext.precision.site_formats import SiteFormats
 
 DEFAULT = RecipeConfig()
@@ -46,7 +47,14 @@ def add_recipe_arguments(group) -> None:
     group.add_argument("--pgq-random", action="store_true",
                        help="validation: a random recipe at the recipe's quantized FLOP "
                             "fraction")
-    group.add_argument("--pgq-seed", type=int, default=0, help="seed of --pgq-random")
+    group.add_argument("--pgq-seed", type=int, default=None, metavar="S",
+                       help="base seed of --pgq-random (default: the training seed --seed, "
+                            "so each training seed draws its own order; S: the same order "
+                            "on every seed, --pgq-seed 0 the order of runs before the draws)")
+    group.add_argument("--pgq-random-draw", type=int, default=0, metavar="I",
+                       help="which random order of the base seed --pgq-random takes (0, 1, "
+                            "...: K draws per seed = K runs; compare_precision.py "
+                            "--random-draws K)")
     group.add_argument("--pgq-forward", choices=FORWARD, default=DEFAULT.forward,
                        help="threshold: forward GEMMs decided by their SQNR like backward ones "
                             "(default); all / none: every forward GEMM quantized / kept in "
@@ -87,8 +95,11 @@ def recipe_config(args: argparse.Namespace) -> RecipeConfig:
     if args.pgq_adversarial and args.pgq_random:
         raise UsageError("--pgq-adversarial and --pgq-random exclude each other")
     mode = MODES[1] if args.pgq_adversarial else MODES[2] if args.pgq_random else MODES[0]
+    if args.pgq_random_draw < 0:
+        raise UsageError(f"--pgq-random-draw must be >= 0, got {args.pgq_random_draw}")
+    seed = draw_seed(getattr(args, "seed", 0), args.pgq_seed, args.pgq_random_draw)
     return RecipeConfig(args.pgq_format, args.pgq_fwd_threshold, args.pgq_bwd_threshold,
-                        args.pgq_device, budget, mode, args.pgq_seed, args.pgq_forward,
+                        args.pgq_device, budget, mode, seed, args.pgq_forward,
                         args.pgq_logits)
 
 

@@ -23,7 +23,8 @@ For every GEMM of every linear site, in this order:
 FLOPs — the prefix of an order whose FLOPs come closest (ties: the shorter one):
 
 * ``adversarial`` — the order reversed: lowest margin first;
-* ``random`` — a seeded random order (``--pgq-seed``).
+* ``random`` — a seeded random order (the training seed's draw ``--pgq-random-draw``, or
+  ``--pgq-seed``'s: :mod:`megatron_ext.precision.random_draw`).
 
 **Direction-stratified** (``--pgq-forward all|none``, the paper's §II-D validation: its
 adversarial recipe keeps every forward op quantized and reverses only the backward
@@ -85,7 +86,8 @@ class RecipeConfig:
     mode: str = "recipe"
     """One of :data:`MODES`."""
     seed: int = 0
-    """Seed of the random recipe."""
+    """Seed of the random recipe (``precision.random_draw.draw_seed`` of the training seed,
+    ``--pgq-seed`` and ``--pgq-random-draw``)."""
     forward: str = "threshold"
     """One of :data:`FORWARD`."""
     logits: bool = False

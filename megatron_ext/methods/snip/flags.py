@@ -17,6 +17,7 @@ from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.candidates import DEFAULT_CANDIDATES, parse_candidates
 from megatron_ext.methods.snip.probe_noise import PROBES
 from megatron_ext.methods.snip.tensor_store import OFFLOADS
+from megatron_ext.precision.random_draw import draw_seed
 from megatron_ext.precision.site_formats import SiteFormats
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
@@ -70,7 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-time-limit", type=finite_float, default=30.0, help="ILP seconds (HiGHS)")
     g.add_argument("--snip-mip-gap", type=finite_float, default=1e-6, help="ILP relative MIP gap")
     g.add_argument("--snip-threads", type=int, default=1, help="HiGHS threads")
-    g.add_argument("--snip-seed", type=int, default=0, help="seed of the random baseline")
+    g.add_argument("--snip-seed", type=int, default=None, metavar="S",
+                   help="base seed of the random policy (default: the training seed --seed, "
+                        "so each training seed draws its own plan; S: the same plan on every "
+                        "seed, --snip-seed 0 the plan of runs before the draws)")
+    g.add_argument("--snip-random-draw", type=int, default=0, metavar="I",
+                   help="which random plan of the base seed the random policy takes (0, 1, "
+                        "...: K draws per seed = K runs; compare_precision.py --random-draws K)")
 
 
 def active(args: argparse.Namespace) -> bool:
@@ -116,7 +123,8 @@ class SnipConfig:
     solver: SolverConfig = SolverConfig()
     """``--snip-time-limit``, ``--snip-mip-gap``, ``--snip-threads``."""
     seed: int = 0
-    """``--snip-seed``: the random baseline's seed."""
+    """The random policy's seed: ``precision.random_draw.draw_seed`` of the training seed,
+    ``--snip-seed`` and ``--snip-random-draw``."""
 
     @property
     def refreshes(self) -> bool:
@@ -139,6 +147,8 @@ def config_from_args(args: argparse.Namespace) -> SnipConfig | None:
         raise UsageError(f"--snip-noise must be > 0, got {args.snip_noise}")
     if args.snip_probe == "dgrad" and args.tensor_model_parallel_size > 1:
         raise UsageError("--snip-probe dgrad needs --tensor-model-parallel-size 1")
+    if args.snip_random_draw < 0:
+        raise UsageError(f"--snip-random-draw must be >= 0, got {args.snip_random_draw}")
     try:
         cands = parse_candidates(args.snip_candidates)
     except ValueError as exc:
@@ -149,4 +159,4 @@ def config_from_args(args: argparse.Namespace) -> SnipConfig | None:
                       args.snip_offload, args.snip_probe, args.snip_sites_per_pass,
                       (args.snip_loss_weight, args.snip_weight_weight),
                       SolverConfig(args.snip_time_limit, args.snip_mip_gap, args.snip_threads),
-                      args.snip_seed)
+                      draw_seed(args.seed, args.snip_seed, args.snip_random_draw))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from megatron_ext.precision.cost import ModelShape, stage_fixed_seconds
 from megatron_ext.precision.device_profile import DeviceProfile
 from megatron_ext.sites import parse_site_id
+from megatron_ext.precision.random_draw import draw_seed
 from megatron_ext.precision.site_formats import SiteFormats
 from megatron_ext.methods.snip import planner
 from megatron_ext.methods.snip.divergence import SiteStats
@@ -249,6 +250,12 @@ def _check_sites(refresh: Refresh, num_layers: int) -> None:
                              f"{num_layers}-layer model of {refresh.args_path}")
 
 
+def _random_seed(run: dict) -> int:
+    """The random policy's seed as the run drew it (its ``args.json``: the training seed,
+    ``--snip-seed``, ``--snip-random-draw``; ``--snip-seed`` alone in runs made before)."""
+    return draw_seed(run.get("seed", 0), run.get("snip_seed"), run.get("snip_random_draw", 0))
+
+
 def plan_problem(refresh: Refresh, policy: str | None = None, layout: Layout = Layout(),
                  profile: DeviceProfile | None = None) -> Planning:
     """The refresh's ILP instance for ``policy`` (default: the run's) and ``layout``, its
@@ -267,7 +274,7 @@ def plan_problem(refresh: Refresh, policy: str | None = None, layout: Layout = L
     _check_sites(refresh, shape.num_layers)
     weights = (run.get("snip_loss_weight", 1.0), run.get("snip_weight_weight", 1.0))
     q = planner.quality_table(policy, refresh.sites, refresh.options, refresh.loss,
-                              refresh.hyper, shape, run.get("snip_seed", 0), weights)
+                              refresh.hyper, shape, _random_seed(run), weights)
     fixed = stage_fixed_seconds(shape, stage_of=layer_stage, profile=profile)
     meta = {"step": refresh.step, "policy": policy, "stats": refresh.stats_path,
             "pipeline_stages": shape.pipeline_stages,

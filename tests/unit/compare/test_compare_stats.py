@@ -42,7 +42,10 @@ def test_ranks_within_groups_with_ties(results):
     assert [g["ranking"] for g in results["groups"]] == [["ref"], ["c", "a", "b"], ["d"]]
     # per seed in group 0.5: (3, 2, 1) -> c, (3, 3, 2) -> c, (3, 4, 3) -> a (tie: config order)
     assert results["groups"][1]["best_per_seed"] == {"1": "c", "2": "c", "3": "a"}
-    assert ("1. `c`, 2. `a`, 2. `b`; runner-up − best = +1.0000 ± 0.5774 (z = +1.7, paired); "
+    # t = 1 / (1/sqrt(3)) = 1.73 with 2 df: two-sided p = 1 - t/sqrt(t^2 + 2) = 0.225;
+    # 95 % interval 1 ± 4.3027/sqrt(3) = 1 ± 2.4841
+    assert ("1. `c`, 2. `a`, 2. `b`; runner-up − best = +1.0000 ± 0.5774 (t +1.73, 2 df, "
+            "p 0.225, paired: not separable at 3 seeds (95 % CI -1.4841 to +3.4841)); "
             "`c` is best on 2 of 3 seeds" in markdown(results, []))
 
 
@@ -52,17 +55,20 @@ def test_margin_and_reference_differences(results):
     assert (margin["best"], margin["runner_up"]) == ("c", "a")
     assert margin["mean"] == 1.0 and margin["se"] == pytest.approx(1 / math.sqrt(3))
     assert results["groups"][0]["margin"] is None
-    # b - ref = (-2, -1, 0): mean -1, se 1/sqrt(3), z -sqrt(3), -25 % of the ref's mean 4
+    # b - ref = (-2, -1, 0): mean -1, se 1/sqrt(3), t -sqrt(3), -25 % of the ref's mean 4
     diff = results["runs"]["b"]["vs_reference"]
     assert diff["diffs"] == {"1": -2.0, "2": -1.0, "3": 0.0}
-    assert diff["mean"] == -1.0 and diff["z"] == pytest.approx(-math.sqrt(3))
+    assert diff["mean"] == -1.0 and diff["t"] == pytest.approx(-math.sqrt(3))
+    assert diff["df"] == 2 and diff["p"] == pytest.approx(1 - math.sqrt(3) / math.sqrt(5))
     assert diff["rel_pct"] == -25.0
-    # a - ref = (-1, -1, -1): no spread, se 0, no z
-    assert results["runs"]["a"]["vs_reference"]["se"] == 0.0
-    assert results["runs"]["a"]["vs_reference"]["z"] is None
+    # a - ref = (-1, -1, -1): no spread, se 0, t -inf, p 0, but 3 seeds: not separable
+    tied = results["runs"]["a"]["vs_reference"]
+    assert tied["se"] == 0.0 and tied["t"] == -math.inf and tied["p"] == 0.0
+    assert tied["verdict"].startswith("not separable at 3 seeds")
     assert results["runs"]["d"]["gemm_time_saving"] == 0.375
     text = markdown(results, [])
-    assert "| `b` | `0.5` | 2 | 3.0000 ± 0.5774 | -1.0000 ± 0.5774 | -25.00 % | -1.7 |" in text
+    assert ("| `b` | `0.5` | 2 | 3.0000 ± 0.5774 | -1.0000 ± 0.5774 | -25.00 % | t -1.73, 2 df, "
+            "p 0.225 | not separable at 3 seeds (95 % CI -3.4841 to +1.4841) |" in text)
 
 
 def test_flag_value_takes_the_last_one():
@@ -112,3 +118,33 @@ def test_large_gaps_still_fill_the_axis():
     ax = gap_plot(_gap_results({"fp4": 0.5, "fp8": -0.1}, seeds=3)).axes[0]
     assert ax.get_ylim()[1] == pytest.approx(1.2 * (0.5 + 0.25))
     assert [t.get_text() for t in ax.texts] == ["+10.00%", "-2.00%"]
+
+
+def test_random_draws_expand_the_runs_with_the_placeholder():
+    config = {"seeds": [1], "random_draws": 3, "reference": "recipe", "runs": {
+        "recipe": "", "random": "--pgq-random --pgq-random-draw {draw}"}}
+    grid = build_grid(config, {}, [])
+    assert [(r.name, r.flags) for r in grid.runs] == [
+        ("recipe", ()), *((f"random.d{i}", ("--pgq-random", "--pgq-random-draw", str(i)))
+                          for i in range(3))]
+    assert len(build_grid(config, {"random_draws": 2}, []).runs) == 3
+    with pytest.raises(UsageError, match="needs random_draws"):
+        build_grid({**config, "random_draws": None}, {}, [])
+    with pytest.raises(UsageError, match="no run has"):
+        build_grid({**config, "runs": {"recipe": ""}}, {}, [])
+    with pytest.raises(UsageError, match="positive integer"):
+        build_grid({**config, "random_draws": 0}, {}, [])
+
+
+def test_draw_families_report_the_references_place_and_permutation_p():
+    config = {"seeds": [1, 2], "random_draws": 2, "reference": "recipe",
+              "runs": {"recipe": "", "random": "--x {draw}"}}
+    grid = build_grid(config, {}, [])
+    loss = {"recipe": (3, 3), "random.d0": (4, 2), "random.d1": (5, 6)}
+    table = {(n, s): m for n, v in loss.items() for s, m in zip((1, 2), metrics(v))}
+    (fam,) = collect(grid, table)["draws"]
+    # seed 1: draws 4, 5 -> place 0; seed 2: draws 2, 6 -> place 1; P(sum of two U{0,1,2} <= 1)
+    assert fam["place"] == {"1": 0, "2": 1} and fam["permutation_p"] == pytest.approx(3 / 9)
+    # mean of the draws - recipe: (4.5 - 3, 4 - 3) = (1.5, 1)
+    assert fam["draws_minus_reference"]["diffs"] == {"1": 1.5, "2": 1.0}
+    assert "permutation p 0.333" in markdown(collect(grid, table), [])
