@@ -15,7 +15,7 @@ from megatron_ext.extension import Conflict
 from megatron_ext.methods.pgq.recipe import FORWARD, MODES, NO_ROOFLINE, RecipeConfig
 from megatron_ext.methods.pgq.sqnr import CANDIDATES
 from megatron_ext.precision.cost import DEVICES
-from megatron_ext.precision.random_draw import draw_seed
+from megatron_ext.precision.random_draw import add_draw_arguments, draw_seed
 from megatron_ext.precision.site_formats import SiteFormats
 
 DEFAULT = RecipeConfig()
@@ -47,14 +47,7 @@ def add_recipe_arguments(group) -> None:
     group.add_argument("--pgq-random", action="store_true",
                        help="validation: a random recipe at the recipe's quantized FLOP "
                             "fraction")
-    group.add_argument("--pgq-seed", type=int, default=None, metavar="S",
-                       help="base seed of --pgq-random (default: the training seed --seed, "
-                            "so each training seed draws its own order; S: the same order "
-                            "on every seed, --pgq-seed 0 the order of runs before the draws)")
-    group.add_argument("--pgq-random-draw", type=int, default=0, metavar="I",
-                       help="which random order of the base seed --pgq-random takes (0, 1, "
-                            "...: K draws per seed = K runs; compare_precision.py "
-                            "--random-draws K)")
+    add_draw_arguments(group, "pgq", "--pgq-random", "order")
     group.add_argument("--pgq-forward", choices=FORWARD, default=DEFAULT.forward,
                        help="threshold: forward GEMMs decided by their SQNR like backward ones "
                             "(default); all / none: every forward GEMM quantized / kept in "

@@ -17,7 +17,7 @@ from megatron_ext.methods.snip.ilp import STAGE_BALANCE, SolverConfig
 from megatron_ext.methods.snip.candidates import DEFAULT_CANDIDATES, parse_candidates
 from megatron_ext.methods.snip.probe_noise import PROBES
 from megatron_ext.methods.snip.tensor_store import OFFLOADS
-from megatron_ext.precision.random_draw import draw_seed
+from megatron_ext.precision.random_draw import add_draw_arguments, draw_seed
 from megatron_ext.precision.site_formats import SiteFormats
 
 POLICIES = planner.STATS_POLICIES + planner.STATIC_POLICIES
@@ -71,13 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-time-limit", type=finite_float, default=30.0, help="ILP seconds (HiGHS)")
     g.add_argument("--snip-mip-gap", type=finite_float, default=1e-6, help="ILP relative MIP gap")
     g.add_argument("--snip-threads", type=int, default=1, help="HiGHS threads")
-    g.add_argument("--snip-seed", type=int, default=None, metavar="S",
-                   help="base seed of the random policy (default: the training seed --seed, "
-                        "so each training seed draws its own plan; S: the same plan on every "
-                        "seed, --snip-seed 0 the plan of runs before the draws)")
-    g.add_argument("--snip-random-draw", type=int, default=0, metavar="I",
-                   help="which random plan of the base seed the random policy takes (0, 1, "
-                        "...: K draws per seed = K runs; compare_precision.py --random-draws K)")
+    add_draw_arguments(g, "snip", "the random policy", "plan")
 
 
 def active(args: argparse.Namespace) -> bool:
