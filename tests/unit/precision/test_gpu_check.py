@@ -131,9 +131,9 @@ def test_the_syncs_section_runs_host_syncs_and_counts_per_step(tmp_path):
     """On CPU the section runs as on a GPU, without the CUDA column: uniform:fp8 reads the
     host 3 times a step (loss, non-finite flag, gradient norm)."""
     sys.path.insert(0, str(REPO))
-    from benchmarks import gpu_sections
+    from benchmarks import gpu_syncs
 
-    result = gpu_sections.syncs(argparse.Namespace(sync_configs=["uniform:fp8"]), tmp_path)
+    result = gpu_syncs.syncs(argparse.Namespace(sync_configs=["uniform:fp8"]), tmp_path)
     [row] = result["rows"]  # no launch-cost rows without a GPU
     assert row.pop("launches / step") > 100  # the launches' own count: test_host_syncs.py
     assert row == {"config": "uniform:fp8", "reads / step": 3, "most reads": 3}
@@ -143,7 +143,7 @@ def test_the_syncs_section_runs_host_syncs_and_counts_per_step(tmp_path):
                "cuda_sync_sources": {"a.py:1 f": 3, "b.py:2 g": 1}},
               {"step": 3, "logged": False, "count": 5, "cuda_syncs": 6, "launches": 800,
                "cuda_sync_sources": {"a.py:1 f": 6}}]
-    assert gpu_sections.sync_counts(on_gpu) == {
+    assert gpu_syncs.sync_counts(on_gpu) == {
         "reads / step": 4, "most reads": 9, "launches / step": 750, "CUDA syncs / step": 5,
         "most CUDA syncs": 12, "CUDA syncs by source / step": {"a.py:1 f": 4.5, "b.py:2 g": 0.5}}
 
